@@ -1,0 +1,1 @@
+"""Triton kernels only (``@triton.jit``). Launchers and policy live in the modules above."""

@@ -1,0 +1,87 @@
+"""Small shared helpers: interpreter detection, argument checks, device facts."""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+INT32_MAX = 2**31 - 1
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether kernels must feed ``tl.dot`` fp32 operands instead of ``dtype``.
+
+    The Triton interpreter (3.6 to 3.9) multiplies the raw bit patterns of bfloat16 ``tl.dot``
+    operands (triton-lang/triton#11584), so under the interpreter bf16 operands are upcast first.
+    On a GPU the real bf16 tensor-core dot is used.
+    """
+    return interpreter_enabled() and dtype == torch.bfloat16
+
+
+def next_pow2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+
+
+def round_up(n: int, m: int) -> int:
+    return (int(n) + m - 1) // m * m
+
+
+def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=None,
+                 shape: tuple | None = None, what: str = "") -> None:
+    """Raise TypeError/ValueError naming ``name`` when ``t`` is not the tensor described.
+
+    ``shape`` may hold ``None`` for free dimensions; ``what`` is the expected layout, e.g.
+    ``"[rows, Hq, D]"``, quoted in messages.
+    """
+    desc = f" {what}" if what else ""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor{desc}, got {type(t).__name__}")
+    if dtypes is not None:
+        dtypes = tuple(dtypes) if isinstance(dtypes, (tuple, list, set)) else (dtypes,)
+        if t.dtype not in dtypes:
+            names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise TypeError(f"{name} must have dtype {names}, got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must be {ndim}-D{desc}, got shape {tuple(t.shape)}")
+    if shape is not None:
+        if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise ValueError(f"{name} must have shape {want}{desc}, got {tuple(t.shape)}")
+    if device is not None and t.device != torch.device(device):
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def same_device(device_a: torch.device, device_b: torch.device) -> bool:
+    a, b = torch.device(device_a), torch.device(device_b)
+    if a.type != b.type:
+        return False
+    if a.type == "cuda":
+        ia = a.index if a.index is not None else torch.cuda.current_device()
+        ib = b.index if b.index is not None else torch.cuda.current_device()
+        return ia == ib
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def device_facts(device: str) -> dict:
+    """Facts the launchers and admission need: SM count, compute capability, shared memory."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        props = torch.cuda.get_device_properties(dev)
+        return {
+            "name": props.name,
+            "kind": "cuda",
+            "capability": (props.major, props.minor),
+            "sm_count": props.multi_processor_count,
+            "shared_memory_per_block_optin": getattr(props, "shared_memory_per_block_optin", 0),
+            "total_memory": props.total_memory,
+        }
+    return {"name": "cpu", "kind": "cpu", "capability": None, "sm_count": os.cpu_count() or 1,
+            "shared_memory_per_block_optin": 0, "total_memory": 0}

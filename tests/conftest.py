@@ -1,0 +1,33 @@
+"""Test set-up: the Triton interpreter on CPU-only machines, devices, poisoning helpers."""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before any @triton.jit function is defined.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def device():
+    """The device CPU-sized tests run on: the GPU when there is one, else the CPU (interpreter)."""
+    return "cuda" if HAS_CUDA else "cpu"
+
+
+def poisoned(shape, dtype, device):
+    """An output buffer filled with NaN (or -1 for integers) so unwritten elements show."""
+    if dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=dtype, device=device)
+    return torch.full(shape, -1, dtype=dtype, device=device)
