@@ -1,0 +1,151 @@
+"""Launchers of the attention kernels: shape math, tile choice, grids, partial buffers. No math."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import routes
+from .plan import GroupedPlan, SingleRowPlan
+from .utils import dot_in_fp32, next_pow2
+
+_TL_DTYPES = {}
+
+
+def _tl_dtype(dtype: torch.dtype):
+    import triton.language as tl
+
+    if not _TL_DTYPES:
+        _TL_DTYPES.update({torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32})
+    return _TL_DTYPES[dtype]
+
+
+def _dot_dtype(q: torch.Tensor):
+    return _tl_dtype(torch.float32 if dot_in_fp32(q.dtype) else q.dtype)
+
+
+def _common(q, k, v, out, gate, lse):
+    """Strides and flags every attention kernel takes (gate/lse fall back to ``out`` when absent)."""
+    g = gate if gate is not None else out
+    lse_t = lse if lse is not None else out
+    return dict(
+        stride_q_row=q.stride(0), stride_q_head=q.stride(1),
+        stride_k_block=k.stride(0), stride_k_tok=k.stride(1), stride_k_head=k.stride(2),
+        stride_v_block=v.stride(0), stride_v_tok=v.stride(1), stride_v_head=v.stride(2),
+        stride_o_row=out.stride(0), stride_o_head=out.stride(1),
+        stride_g_row=g.stride(0), stride_g_head=g.stride(1),
+        stride_lse_row=lse_t.stride(0) if lse is not None else 0,
+    ), g, lse_t
+
+
+def qk_scale_log2(softmax_scale: float, k_scale: float) -> float:
+    return float(softmax_scale) * float(k_scale) * math.log2(math.e)
+
+
+def grouped_attention(q, k, v, plan: GroupedPlan, *, out, lse, gate, softmax_scale, k_scale, v_scale,
+                      kv_fp8: bool, config: routes.GroupedConfig | None = None) -> None:
+    """Rows ``[0, plan.num_rows)`` of ``out`` (and ``lse``) from the grouped plan."""
+    from .kernels.grouped import grouped_attention_kernel
+
+    if plan.num_groups == 0:
+        return
+    hq, d = q.shape[1], q.shape[2]
+    hkv = k.shape[2]
+    G = hq // hkv
+    cfg = config or routes.grouped_config(G, d)
+    strides, g, lse_t = _common(q, k, v, out, gate, lse)
+    subs = plan.group_rows // cfg.rows_per_prog
+    grouped_attention_kernel[(plan.num_groups * subs, hkv)](
+        q, k, v, plan.mb_ids, plan.masks, plan.counts, g, out, lse_t,
+        plan.num_rows, qk_scale_log2(softmax_scale, k_scale), float(v_scale),
+        stride_plan=plan.mb_ids.stride(0), **strides,
+        G=G, GROUP_ROWS=plan.group_rows, ROWS_PER_PROG=cfg.rows_per_prog, BLOCK_M=cfg.block_m,
+        MB=cfg.mb, HEAD_DIM=d, BLOCK_SIZE=plan.block_size, KV_FP8=kv_fp8, DOT_DTYPE=_dot_dtype(q),
+        HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _merge(part_acc, part_ml, *, out, lse, gate, row_offset, v_scale, num_splits):
+    from .kernels.common import merge_splits_kernel
+
+    n, hq, _, d = part_acc.shape
+    strides, g, lse_t = _common(out, out, out, out, gate, lse)
+    block_h = min(16, next_pow2(hq))
+    merge_splits_kernel[(n, -(-hq // block_h))](
+        part_acc, part_ml, out, g, lse_t, row_offset, hq, float(v_scale),
+        strides["stride_o_row"], strides["stride_o_head"], strides["stride_g_row"],
+        strides["stride_g_head"], strides["stride_lse_row"],
+        NUM_SPLITS=num_splits, HEAD_DIM=d, BLOCK_H=block_h,
+        HAS_GATE=gate is not None, RETURN_LSE=lse is not None, num_warps=4,
+    )
+
+
+def _partials(n, hq, splits, d, device):
+    return (torch.empty((n, hq, splits, d), dtype=torch.float32, device=device),
+            torch.empty((n, hq, splits, 2), dtype=torch.float32, device=device))
+
+
+def xqa_attention(q, k, v, plan: SingleRowPlan, *, row_start: int, out, lse, gate, softmax_scale,
+                  k_scale, v_scale, kv_fp8: bool, config: routes.SplitConfig | None = None,
+                  num_splits: int | None = None) -> None:
+    """Rows ``[row_start, rows)`` of ``out`` (and ``lse``) from the single-row plan."""
+    from .kernels.xqa import xqa_attention_kernel
+
+    rows, hq, d = q.shape
+    n = rows - row_start
+    if n <= 0:
+        return
+    hkv = k.shape[2]
+    G = hq // hkv
+    cfg = config or routes.xqa_config(G, d)
+    mb = cfg.tile_tokens // 4
+    max_tiles = -(-plan.capacity // mb)
+    splits = num_splits or routes.split_count(n, hkv, max_tiles, cfg.split_tiles, q.device)
+    split_tiles = cfg.split_tiles if splits > 1 else max_tiles
+    strides, g, lse_t = _common(q, k, v, out, gate, lse)
+    part_acc, part_ml = _partials(n, hq, splits, d, q.device) if splits > 1 else (out, out)
+    xqa_attention_kernel[(n, hkv, splits)](
+        q, k, v, plan.mb_ids, plan.masks, plan.counts, g, out, lse_t, part_acc, part_ml,
+        row_start, hq, qk_scale_log2(softmax_scale, k_scale), float(v_scale),
+        stride_ids=plan.mb_ids.stride(0), stride_masks=plan.masks.stride(0), **strides,
+        G=G, BLOCK_G=max(16, next_pow2(G)), MB=mb, SPLIT_TILES=split_tiles, NUM_SPLITS=splits,
+        HEAD_DIM=d, BLOCK_SIZE=plan.block_size, KV_FP8=kv_fp8, DOT_DTYPE=_dot_dtype(q),
+        HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _merge(part_acc, part_ml, out=out, lse=lse, gate=gate, row_offset=row_start, v_scale=v_scale,
+               num_splits=splits)
+
+
+def splitk_attention(q, k, v, tokens, counts, block_table, token_to_req, *, block_size: int, out, lse,
+                     gate, softmax_scale, k_scale, v_scale, kv_fp8: bool,
+                     config: routes.SplitConfig | None = None, num_splits: int | None = None) -> None:
+    """All rows of ``out`` (and ``lse``) from per-row token lists (``plan.token_lists``)."""
+    from .kernels.splitk import splitk_attention_kernel
+
+    rows, hq, d = q.shape
+    if rows == 0:
+        return
+    hkv = k.shape[2]
+    G = hq // hkv
+    cfg = config or routes.splitk_config(G, d)
+    max_tiles = -(-tokens.shape[1] // cfg.tile_tokens)
+    splits = num_splits or routes.split_count(rows, hkv, max_tiles, cfg.split_tiles, q.device)
+    split_tiles = cfg.split_tiles if splits > 1 else max_tiles
+    strides, g, lse_t = _common(q, k, v, out, gate, lse)
+    part_acc, part_ml = _partials(rows, hq, splits, d, q.device) if splits > 1 else (out, out)
+    splitk_attention_kernel[(rows, hkv, splits)](
+        q, k, v, tokens, counts, block_table, token_to_req, g, out, lse_t, part_acc, part_ml,
+        hq, qk_scale_log2(softmax_scale, k_scale), float(v_scale),
+        stride_tok=tokens.stride(0), stride_bt=block_table.stride(0), **strides,
+        G=G, BLOCK_G=max(16, next_pow2(G)), BLOCK_N=cfg.tile_tokens, SPLIT_TILES=split_tiles,
+        NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_SIZE=block_size, KV_FP8=kv_fp8, DOT_DTYPE=_dot_dtype(q),
+        HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _merge(part_acc, part_ml, out=out, lse=lse, gate=gate, row_offset=0, v_scale=v_scale,
+               num_splits=splits)

@@ -1,0 +1,156 @@
+"""Pieces shared by the attention kernels: K/V tile loads, the online-softmax step, the epilogue,
+and the fixed-order merge of split partials."""
+
+import triton
+import triton.language as tl
+
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def load_kv_tile(
+    base_ptr,  # [num_blocks, block_size, Hkv, D] cache (fp16/bf16, or uint8 E4M3)
+    o_tok,  # [BLOCK_N] int64 element offset of each token's head row
+    o_d,  # [HEAD_DIM]
+    m_n,  # [BLOCK_N] tokens to load
+    KV_FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """A [BLOCK_N, HEAD_DIM] tile in the dot's operand dtype; masked tokens read as 0.
+
+    Callers mask every token no matrix row attends, so bytes of unselected slots (which may be
+    NaN: 0 * NaN = NaN in P @ V) are never read.
+    """
+    b_x = tl.load(base_ptr + o_tok[:, None] + o_d[None, :], mask=m_n[:, None], other=0)
+    if KV_FP8:
+        b_x = b_x.to(tl.float8e4nv, bitcast=True)
+    return b_x.to(DOT_DTYPE)
+
+
+@triton.jit
+def attend_tile(
+    b_q,  # [BLOCK_M, HEAD_DIM] in DOT_DTYPE
+    b_k,  # [BLOCK_N, HEAD_DIM] in DOT_DTYPE
+    b_v,  # [BLOCK_N, HEAD_DIM] in DOT_DTYPE
+    m_attend,  # [BLOCK_M, BLOCK_N] which (matrix row, token) pairs attend
+    b_m,  # [BLOCK_M] running max, log2 domain
+    b_l,  # [BLOCK_M] running sum
+    b_acc,  # [BLOCK_M, HEAD_DIM] fp32 running P @ V
+    qk_scale,  # softmax scale * k_scale * log2(e)
+    P_DTYPE: tl.constexpr,
+):
+    """One online-softmax step over a K/V tile: scores, masking, rescale, P @ V (fp32 accumulate)."""
+    b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
+    b_s = tl.where(m_attend, b_s, float("-inf"))
+    b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+    # A row that has attended nothing yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
+    b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+    b_p = tl.exp2(b_s - b_shift[:, None])
+    b_alpha = tl.exp2(b_m - b_shift)
+    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(P_DTYPE), b_v)
+    return b_m_new, b_l, b_acc
+
+
+@triton.jit
+def store_output(
+    b_acc,  # [BLOCK_M, HEAD_DIM] fp32 unnormalised P @ V
+    b_m,  # [BLOCK_M] max, log2 domain
+    b_l,  # [BLOCK_M] sum
+    o_row,  # [BLOCK_M] int64 row of each matrix row
+    o_head,  # [BLOCK_M] int64 query head of each matrix row
+    m_row,  # [BLOCK_M] matrix rows to store
+    o_d,  # [HEAD_DIM]
+    out_ptr,  # [rows, Hq, D]
+    gate_ptr,  # [rows, Hq, D] or unused
+    lse_ptr,  # [rows, Hq] fp32 or unused
+    v_scale,
+    stride_o_row,
+    stride_o_head,
+    stride_g_row,
+    stride_g_head,
+    stride_lse_row,
+    HAS_GATE: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    """Normalise, apply v_scale and the gate (SPEC section 1), store out and the natural-log LSE."""
+    m_any = b_l > 0
+    b_inv = tl.where(m_any, v_scale / tl.where(m_any, b_l, 1.0), 0.0)
+    b_o = (b_acc * b_inv[:, None]).to(out_ptr.dtype.element_ty)
+    if HAS_GATE:
+        p_g = gate_ptr + o_row[:, None] * stride_g_row + o_head[:, None] * stride_g_head + o_d[None, :]
+        b_g = tl.load(p_g, mask=m_row[:, None], other=0).to(tl.float32)
+        b_o = (b_o.to(tl.float32) * tl.sigmoid(b_g)).to(out_ptr.dtype.element_ty)
+    p_o = out_ptr + o_row[:, None] * stride_o_row + o_head[:, None] * stride_o_head + o_d[None, :]
+    tl.store(p_o, b_o, mask=m_row[:, None])
+    if RETURN_LSE:
+        b_lse = tl.where(m_any, (b_m + tl.log2(tl.where(m_any, b_l, 1.0))) * LN2, float("-inf"))
+        tl.store(lse_ptr + o_row * stride_lse_row + o_head, b_lse, mask=m_row)
+
+
+@triton.jit
+def store_partial(
+    b_acc,  # [BLOCK_M, HEAD_DIM] fp32
+    b_m,  # [BLOCK_M]
+    b_l,  # [BLOCK_M]
+    o_row,  # [BLOCK_M] int64
+    o_head,  # [BLOCK_M] int64
+    m_row,  # [BLOCK_M]
+    o_d,  # [HEAD_DIM]
+    i_split,
+    part_acc_ptr,  # [rows, Hq, NUM_SPLITS, D] fp32
+    part_ml_ptr,  # [rows, Hq, NUM_SPLITS, 2] fp32
+    Hq,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+):
+    o_part = (o_row * Hq + o_head) * NUM_SPLITS + i_split
+    tl.store(part_acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], b_acc, mask=m_row[:, None])
+    tl.store(part_ml_ptr + o_part * 2, b_m, mask=m_row)
+    tl.store(part_ml_ptr + o_part * 2 + 1, b_l, mask=m_row)
+
+
+@triton.jit
+def merge_splits_kernel(
+    part_acc_ptr,  # [rows, Hq, NUM_SPLITS, D] fp32 unnormalised partial P @ V
+    part_ml_ptr,  # [rows, Hq, NUM_SPLITS, 2] fp32 (max in log2 domain, sum)
+    out_ptr,  # [rows, Hq, D]
+    gate_ptr,  # [rows, Hq, D] or unused
+    lse_ptr,  # [rows, Hq] fp32 or unused
+    row_offset,  # first output row of this launch
+    Hq,
+    v_scale,
+    stride_o_row,
+    stride_o_head,
+    stride_g_row,
+    stride_g_head,
+    stride_lse_row,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    """Combine the splits of BLOCK_H heads of one row, always in split order 0, 1, ..."""
+    i_r = tl.program_id(0).to(tl.int64)
+    o_h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < Hq
+    o_d = tl.arange(0, HEAD_DIM)
+    o_base = (i_r * Hq + o_h) * NUM_SPLITS
+    b_m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        b_m = tl.maximum(b_m, tl.load(part_ml_ptr + (o_base + s) * 2, mask=m_h, other=float("-inf")))
+    b_shift = tl.where(b_m == float("-inf"), 0.0, b_m)
+    b_l = tl.zeros([BLOCK_H], tl.float32)
+    b_acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        b_ms = tl.load(part_ml_ptr + (o_base + s) * 2, mask=m_h, other=float("-inf"))
+        b_ls = tl.load(part_ml_ptr + (o_base + s) * 2 + 1, mask=m_h, other=0.0)
+        b_w = tl.where(b_ls > 0, tl.exp2(b_ms - b_shift), 0.0)
+        b_l += b_ls * b_w
+        b_a = tl.load(part_acc_ptr + (o_base + s)[:, None] * HEAD_DIM + o_d[None, :], mask=m_h[:, None] & (b_ls > 0)[:, None], other=0.0)
+        b_acc += b_a * b_w[:, None]
+    o_row = tl.zeros([BLOCK_H], tl.int64) + i_r + row_offset
+    store_output(b_acc, b_m, b_l, o_row, o_h, m_h, o_d, out_ptr, gate_ptr, lse_ptr, v_scale,
+                 stride_o_row, stride_o_head, stride_g_row, stride_g_head, stride_lse_row,
+                 HAS_GATE, RETURN_LSE)

@@ -1,0 +1,94 @@
+"""Generic split-K sparse paged attention over token lists: the baseline and fallback route.
+
+Each program takes one row, one KV head and one fixed-size slice of the row's token list, gathers
+K/V token by token through the block table, and writes fp32 partials that ``merge_splits_kernel``
+combines in split order. Any G works (the head tile is padded to a power of two >= 16)."""
+
+import triton
+import triton.language as tl
+
+from .common import attend_tile, load_kv_tile, store_output, store_partial
+
+
+@triton.jit
+def splitk_attention_kernel(
+    q_ptr,  # [rows, Hq, D]
+    k_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_ptr,  # [num_blocks, block_size, Hkv, D]
+    tok_ptr,  # [rows, cap] int32 sorted distinct kept logical tokens
+    tok_counts_ptr,  # [rows] int32
+    bt_ptr,  # [num_reqs, max_blocks] int32
+    req_ptr,  # [rows] int32|int64
+    gate_ptr,  # [rows, Hq, D] or unused
+    out_ptr,  # [rows, Hq, D]
+    lse_ptr,  # [rows, Hq] fp32 or unused
+    part_acc_ptr,  # [rows, Hq, NUM_SPLITS, D] fp32 or unused
+    part_ml_ptr,  # [rows, Hq, NUM_SPLITS, 2] fp32 or unused
+    Hq,
+    qk_scale,
+    v_scale,
+    stride_q_row,
+    stride_q_head,
+    stride_k_block,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_block,
+    stride_v_tok,
+    stride_v_head,
+    stride_tok,
+    stride_bt,
+    stride_o_row,
+    stride_o_head,
+    stride_g_row,
+    stride_g_head,
+    stride_lse_row,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,  # power of two >= max(G, 16)
+    BLOCK_N: tl.constexpr,  # tokens per tile
+    SPLIT_TILES: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    i_r = tl.program_id(0).to(tl.int64)
+    i_kvh = tl.program_id(1).to(tl.int64)
+    i_split = tl.program_id(2)
+
+    o_m = tl.arange(0, BLOCK_G)
+    o_head = i_kvh * G + o_m
+    m_row = o_m < G
+    o_row = tl.zeros([BLOCK_G], tl.int64) + i_r
+    o_d = tl.arange(0, HEAD_DIM)
+    p_q = q_ptr + i_r * stride_q_row + o_head[:, None] * stride_q_head + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_row[:, None], other=0).to(DOT_DTYPE)
+
+    count = tl.load(tok_counts_ptr + i_r)
+    req = tl.load(req_ptr + i_r).to(tl.int64)
+    o_n = tl.arange(0, BLOCK_N)
+    tile_end = tl.minimum(tl.cdiv(count, BLOCK_N), (i_split + 1) * SPLIT_TILES)
+    b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    b_l = tl.zeros([BLOCK_G], tl.float32)
+    b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for i_t in range(i_split * SPLIT_TILES, tile_end):
+        o_e = i_t * BLOCK_N + o_n
+        m_n = o_e < count
+        b_t = tl.load(tok_ptr + i_r * stride_tok + o_e, mask=m_n, other=0)
+        b_phys = tl.load(bt_ptr + req * stride_bt + b_t // BLOCK_SIZE, mask=m_n, other=0).to(tl.int64)
+        o_ktok = b_phys * stride_k_block + (b_t % BLOCK_SIZE) * stride_k_tok + i_kvh * stride_k_head
+        o_vtok = b_phys * stride_v_block + (b_t % BLOCK_SIZE) * stride_v_tok + i_kvh * stride_v_head
+        b_k = load_kv_tile(k_ptr, o_ktok, o_d, m_n, KV_FP8, DOT_DTYPE)
+        b_v = load_kv_tile(v_ptr, o_vtok, o_d, m_n, KV_FP8, DOT_DTYPE)
+        m_attend = m_n[None, :] & m_row[:, None]
+        b_m, b_l, b_acc = attend_tile(b_q, b_k, b_v, m_attend, b_m, b_l, b_acc, qk_scale, DOT_DTYPE)
+
+    if NUM_SPLITS == 1:
+        store_output(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, out_ptr, gate_ptr, lse_ptr, v_scale,
+                     stride_o_row, stride_o_head, stride_g_row, stride_g_head, stride_lse_row,
+                     HAS_GATE, RETURN_LSE)
+    else:
+        store_partial(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, i_split,
+                      part_acc_ptr, part_ml_ptr, Hq, NUM_SPLITS, HEAD_DIM)

@@ -1,0 +1,97 @@
+"""Single-row page4 ("XQA") attention: all G query heads of a KV head in one tile, fixed-size
+partitions of the row's microblock list, partials merged in split order by ``merge_splits_kernel``."""
+
+import triton
+import triton.language as tl
+
+from .common import attend_tile, load_kv_tile, store_output, store_partial
+
+
+@triton.jit
+def xqa_attention_kernel(
+    q_ptr,  # [rows, Hq, D]
+    k_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_ptr,  # [num_blocks, block_size, Hkv, D]
+    ids_ptr,  # [rows, cap] int32 physical microblock ids (single-row plan)
+    masks_ptr,  # [rows, cap] uint8 bit t % 4
+    counts_ptr,  # [rows] int32
+    gate_ptr,  # [rows, Hq, D] or unused
+    out_ptr,  # [rows, Hq, D]
+    lse_ptr,  # [rows, Hq] fp32 or unused
+    part_acc_ptr,  # [n, Hq, NUM_SPLITS, D] fp32 or unused
+    part_ml_ptr,  # [n, Hq, NUM_SPLITS, 2] fp32 or unused
+    row_offset,  # rows [row_offset, row_offset + n) are computed by this launch
+    Hq,
+    qk_scale,
+    v_scale,
+    stride_q_row,
+    stride_q_head,
+    stride_k_block,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_block,
+    stride_v_tok,
+    stride_v_head,
+    stride_ids,
+    stride_masks,
+    stride_o_row,
+    stride_o_head,
+    stride_g_row,
+    stride_g_head,
+    stride_lse_row,
+    G: tl.constexpr,  # query heads per KV head
+    BLOCK_G: tl.constexpr,  # power of two >= max(G, 16)
+    MB: tl.constexpr,  # microblocks per tile (tile = 4 * MB tokens)
+    SPLIT_TILES: tl.constexpr,  # tiles per split
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    BLOCK_N: tl.constexpr = 4 * MB
+    MB_PER_BLOCK: tl.constexpr = BLOCK_SIZE // 4
+    i_local = tl.program_id(0).to(tl.int64)
+    i_kvh = tl.program_id(1).to(tl.int64)
+    i_split = tl.program_id(2)
+    i_r = i_local + row_offset
+
+    o_m = tl.arange(0, BLOCK_G)
+    o_head = i_kvh * G + o_m
+    m_row = o_m < G
+    o_row = tl.zeros([BLOCK_G], tl.int64) + i_r
+    o_d = tl.arange(0, HEAD_DIM)
+    p_q = q_ptr + i_r * stride_q_row + o_head[:, None] * stride_q_head + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_row[:, None], other=0).to(DOT_DTYPE)
+
+    o_n = tl.arange(0, BLOCK_N)
+    o_slot = o_n % 4
+    count = tl.load(counts_ptr + i_r)
+    tile_end = tl.minimum(tl.cdiv(count, MB), (i_split + 1) * SPLIT_TILES)
+    b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    b_l = tl.zeros([BLOCK_G], tl.float32)
+    b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    for i_t in range(i_split * SPLIT_TILES, tile_end):
+        o_e = i_t * MB + o_n // 4
+        m_n = o_e < count
+        b_id = tl.load(ids_ptr + i_r * stride_ids + o_e, mask=m_n, other=0)
+        b_bits = tl.load(masks_ptr + i_r * stride_masks + o_e, mask=m_n, other=0).to(tl.int32)
+        o_blk = (b_id // MB_PER_BLOCK).to(tl.int64)
+        o_in = (b_id % MB_PER_BLOCK) * 4 + o_slot
+        o_ktok = o_blk * stride_k_block + o_in * stride_k_tok + i_kvh * stride_k_head
+        o_vtok = o_blk * stride_v_block + o_in * stride_v_tok + i_kvh * stride_v_head
+        m_used = m_n & (((b_bits >> o_slot) & 1) != 0)
+        b_k = load_kv_tile(k_ptr, o_ktok, o_d, m_used, KV_FP8, DOT_DTYPE)
+        b_v = load_kv_tile(v_ptr, o_vtok, o_d, m_used, KV_FP8, DOT_DTYPE)
+        m_attend = m_used[None, :] & m_row[:, None]
+        b_m, b_l, b_acc = attend_tile(b_q, b_k, b_v, m_attend, b_m, b_l, b_acc, qk_scale, DOT_DTYPE)
+
+    if NUM_SPLITS == 1:
+        store_output(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, out_ptr, gate_ptr, lse_ptr, v_scale,
+                     stride_o_row, stride_o_head, stride_g_row, stride_g_head, stride_lse_row,
+                     HAS_GATE, RETURN_LSE)
+    else:
+        store_partial(b_acc, b_m, b_l, o_row - row_offset, o_head, m_row, o_d, i_split,
+                      part_acc_ptr, part_ml_ptr, Hq, NUM_SPLITS, HEAD_DIM)
