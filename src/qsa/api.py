@@ -1,0 +1,237 @@
+"""The public op: ``sparse_paged_attention`` and its plan/run split."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import attention, routes
+from .plan import (GroupedPlan, PlanWorkspace, SingleRowPlan, plan_groups, plan_single_rows,
+                   planner_programs, token_lists)
+from .utils import check_tensor, same_device
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+ACT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class AttentionPlan:
+    """Everything ``run_attention`` needs besides the activations and the cache.
+
+    Built by :func:`plan_attention` on the device with no host synchronisation; the same plan serves
+    every layer that shares the selection, and can be rebuilt into the same buffers (``out=``) for
+    CUDA-graph capture.
+
+    Attributes:
+        routes: which rows take which kernel (:class:`qsa.routes.RoutePlan`).
+        single: single-row page4 plan of all rows (grouped/xqa routes), else None.
+        grouped: grouped page4 plan of rows ``[0, routes.grouped_rows)``, else None.
+        tokens: ``[rows, W]`` int32 distinct kept tokens per row (splitk route), else None.
+        token_counts: ``[rows]`` int32 (splitk route), else None.
+        inputs: the planner's inputs (indices, block_table, token_to_req, positions, seq_lens).
+        block_size, num_blocks: the KV cache geometry the plan was made for.
+        num_q_heads, num_kv_heads, head_dim: the attention shape the route was chosen for.
+    """
+
+    routes: routes.RoutePlan
+    single: SingleRowPlan | None
+    grouped: GroupedPlan | None
+    tokens: torch.Tensor | None
+    token_counts: torch.Tensor | None
+    inputs: tuple
+    block_size: int
+    num_blocks: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    @property
+    def num_rows(self) -> int:
+        return self.inputs[0].shape[0]
+
+
+def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int,
+                   num_blocks: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                   route: str = "auto", out: AttentionPlan | None = None,
+                   workspace: PlanWorkspace | None = None) -> AttentionPlan:
+    """Choose routes and build their work lists for one batch of rows.
+
+    Args:
+        indices: ``[rows, W]`` int32 selected logical tokens per row (any order; -1 = none).
+        block_table: ``[num_reqs, max_blocks]`` int32.
+        token_to_req: ``[rows]`` int32/int64; positions: ``[rows]`` int64; seq_lens: ``[num_reqs]`` int32.
+        block_size, num_blocks: the KV cache geometry.
+        num_q_heads, num_kv_heads, head_dim: the attention shape (for admission).
+        route: "auto", "grouped", "xqa", "splitk" or "reference".
+        out: a previous plan of the same shapes whose buffers are refilled (CUDA-graph capture).
+        workspace: grouped-planner scratch to reuse (see :class:`qsa.plan.PlanWorkspace`).
+    """
+    if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    rows = indices.shape[0] if isinstance(indices, torch.Tensor) else 0
+    choice = routes.choose(route, rows=rows, G=num_q_heads // num_kv_heads, head_dim=head_dim,
+                           device=indices.device if isinstance(indices, torch.Tensor) else torch.device("cpu"))
+    from .plan import check_plan_inputs
+
+    check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
+                      num_blocks=num_blocks)
+    single = grouped = tokens = counts = None
+    if choice.route in ("grouped", "xqa"):
+        single = plan_single_rows(indices, block_table, token_to_req, positions, seq_lens,
+                                  block_size=block_size, num_blocks=num_blocks,
+                                  out=out.single if out is not None else None)
+        if choice.grouped_rows:
+            if workspace is None:
+                groups = -(-choice.grouped_rows // choice.group_rows)
+                workspace = PlanWorkspace.allocate(index_width=single.capacity, group_rows=choice.group_rows,
+                                                   programs=planner_programs(groups, indices.device),
+                                                   device=indices.device)
+            grouped = plan_groups(single, group_rows=choice.group_rows, num_rows=choice.grouped_rows,
+                                  out=out.grouped if out is not None else None, workspace=workspace)
+    elif choice.route == "splitk":
+        tokens, counts = token_lists(indices, block_table, token_to_req, positions, seq_lens,
+                                     block_size=block_size, num_blocks=num_blocks)
+    return AttentionPlan(choice, single, grouped, tokens, counts,
+                         (indices, block_table, token_to_req, positions, seq_lens), block_size, num_blocks,
+                         num_q_heads, num_kv_heads, head_dim)
+
+
+def _as_float(name: str, x) -> float:
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"{name} must be a scalar, got shape {tuple(x.shape)}")
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} must be a python float or a CPU scalar tensor (no device sync)")
+        return float(x)
+    if not isinstance(x, (int, float)):
+        raise TypeError(f"{name} must be a float, got {type(x).__name__}")
+    return float(x)
+
+
+def _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype):
+    check_tensor("q", q, ndim=3, dtypes=ACT_DTYPES, what="[rows, Hq, D] fp16/bf16")
+    rows, hq, d = q.shape
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    cache_dtypes = (q.dtype,) if kv_cache_dtype == "auto" else (torch.uint8, torch.float8_e4m3fn)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, c, ndim=4, dtypes=cache_dtypes, what="[num_blocks, block_size, Hkv, D]")
+        if not same_device(c.device, q.device):
+            raise ValueError(f"{name} must be on {q.device}, got {c.device}")
+        if c.shape[3] != d:
+            raise ValueError(f"{name} head dim must be {d} (q's D), got shape {tuple(c.shape)}")
+        if c.stride(3) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (D) dimension")
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
+    num_blocks, block_size, hkv, _ = k_cache.shape
+    if block_size % 4:
+        raise ValueError(f"k_cache block_size (dim 1) must be a multiple of 4, got {block_size}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"q heads ({hq}) must be a multiple of k_cache KV heads ({hkv}): Hq % Hkv == 0")
+    if q.stride(2) != 1:
+        raise ValueError("q must be contiguous in its last (D) dimension")
+    if gate is not None:
+        check_tensor("gate", gate, dtypes=q.dtype, shape=(rows, hq, d), what="[rows, Hq, D], q's dtype")
+        if not same_device(gate.device, q.device) or gate.stride(2) != 1:
+            raise ValueError("gate must be on q's device and contiguous in its last dimension")
+    if out is not None:
+        check_tensor("out", out, dtypes=q.dtype, shape=(rows, hq, d), what="[rows, Hq, D], q's dtype")
+        if not same_device(out.device, q.device) or out.stride(2) != 1:
+            raise ValueError("out must be on q's device and contiguous in its last dimension")
+    return num_blocks, block_size, hkv
+
+
+def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cache_dtype: str = "auto",
+                  k_scale=1.0, v_scale=1.0, softmax_scale=None, out=None, return_lse: bool = False):
+    """Launch the planned routes. Arguments as in :func:`sparse_paged_attention`."""
+    num_blocks, block_size, hkv = _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype)
+    rows, hq, d = q.shape
+    if rows != plan.num_rows or block_size != plan.block_size or num_blocks != plan.num_blocks \
+            or (hq, hkv, d) != (plan.num_q_heads, plan.num_kv_heads, plan.head_dim):
+        raise ValueError("the plan was made for other shapes: rows, cache geometry and heads must match")
+    k_scale = _as_float("k_scale", k_scale)
+    v_scale = _as_float("v_scale", v_scale)
+    scale = d ** -0.5 if softmax_scale is None else _as_float("softmax_scale", softmax_scale)
+    kv_fp8 = kv_cache_dtype == "fp8_e4m3"
+    if kv_fp8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((rows, hq), dtype=torch.float32, device=q.device) if return_lse else None
+    if rows == 0:
+        return (out, lse) if return_lse else out
+
+    choice = plan.routes
+    kw = dict(out=out, lse=lse, gate=gate, softmax_scale=scale, k_scale=k_scale, v_scale=v_scale,
+              kv_fp8=kv_fp8)
+    if choice.route == "reference":
+        from .reference import reference_attention
+
+        ref_out, ref_lse = reference_attention(q, k_cache, v_cache, *plan.inputs, gate=gate,
+                                               kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+                                               v_scale=v_scale, softmax_scale=scale,
+                                               compute_dtype=torch.float32)
+        out.copy_(ref_out.to(q.dtype))
+        if lse is not None:
+            lse.copy_(ref_lse.float())
+    elif choice.route == "splitk":
+        attention.splitk_attention(q, k_cache, v_cache, plan.tokens, plan.token_counts, plan.inputs[1],
+                                   plan.inputs[2], block_size=block_size, **kw)
+    else:
+        if plan.grouped is not None:
+            attention.grouped_attention(q, k_cache, v_cache, plan.grouped, **kw)
+        attention.xqa_attention(q, k_cache, v_cache, plan.single, row_start=choice.grouped_rows, **kw)
+    return (out, lse) if return_lse else out
+
+
+def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, *,
+                           gate=None, kv_cache_dtype: str = "auto", k_scale=1.0, v_scale=1.0,
+                           softmax_scale=None, out=None, return_lse: bool = False, route: str = "auto"):
+    """Sparse attention of each row over its selected tokens of a paged KV cache.
+
+    Row ``r`` attends the set ``T_r = {t in indices[r] : t >= 0, t < seq_lens[req], t <= positions[r],
+    0 <= block_table[req, t // block_size] < num_blocks}`` with ``req = token_to_req[r]`` (duplicates
+    count once); ``out[r] = softmax(q[r] K[T_r]^T * scale) V[T_r]``, KV head ``j`` serving query heads
+    ``[j*G, (j+1)*G)``. Padding rows (request outside ``[0, num_reqs)`` or position < 0) and empty sets
+    give out 0 and lse -inf. Out-of-range index and table values are dropped and never read.
+
+    Args:
+        q: ``[rows, Hq, D]`` fp16 or bf16.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` (views of an interleaved
+            ``[num_blocks, 2, block_size, Hkv, D]`` tensor allowed); q's dtype, or uint8 /
+            float8_e4m3fn with ``kv_cache_dtype="fp8_e4m3"``.
+        indices: ``[rows, W]`` int32 logical token indices.
+        block_table: ``[num_reqs, max_blocks]`` int32 logical -> physical block (-1 = none).
+        token_to_req: ``[rows]`` int32/int64 request of each row.
+        positions: ``[rows]`` int64 logical position of each row (-1 = padding row).
+        seq_lens: ``[num_reqs]`` int32.
+        gate: optional ``[rows, Hq, D]``: ``out = round(attn) * sigmoid(gate)`` in fp32, cast back.
+        kv_cache_dtype: "auto" (cache in q's dtype) or "fp8_e4m3".
+        k_scale, v_scale: FP8 dequantisation scales (K = e4m3 * k_scale, V = e4m3 * v_scale).
+        softmax_scale: default ``D ** -0.5``.
+        out: optional ``[rows, Hq, D]`` output buffer.
+        return_lse: also return the natural-log LSE ``[rows, Hq]`` fp32.
+        route: "auto", "grouped", "xqa", "splitk" or "reference" (see :mod:`qsa.routes`).
+
+    Returns:
+        ``out`` (q's dtype), or ``(out, lse)`` with ``return_lse``.
+
+    Example:
+        >>> out = qsa.sparse_paged_attention(q, kv[:, 0], kv[:, 1], idx, table, req, pos, lens)
+    """
+    num_blocks, block_size, hkv = _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype)
+    check_tensor("indices", indices, ndim=2, dtypes=torch.int32, what="[rows, W] int32")
+    if indices.shape[0] != q.shape[0]:
+        raise ValueError(f"indices must have {q.shape[0]} rows (q's rows), got {indices.shape[0]}")
+    for name, t in (("indices", indices), ("block_table", block_table), ("token_to_req", token_to_req),
+                    ("positions", positions), ("seq_lens", seq_lens)):
+        if isinstance(t, torch.Tensor) and not same_device(t.device, q.device):
+            raise ValueError(f"{name} must be on {q.device}, got {t.device}")
+    plan = plan_attention(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
+                          num_blocks=num_blocks, num_q_heads=q.shape[1], num_kv_heads=hkv,
+                          head_dim=q.shape[2], route=route)
+    return run_attention(plan, q, k_cache, v_cache, gate=gate, kv_cache_dtype=kv_cache_dtype,
+                         k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale, out=out,
+                         return_lse=return_lse)

@@ -1,0 +1,148 @@
+"""Route admission and tuned launch settings: the one place that decides which kernel runs.
+
+Routes:
+
+* ``grouped`` -- page4 grouped plan, K/V tiles shared by ``GROUP_ROWS`` adjacent rows x all heads.
+* ``xqa`` -- page4 single-row plan, all G heads of a KV head per program, split + ordered merge.
+* ``splitk`` -- token lists through the block table; any G; the baseline and fallback.
+* ``reference`` -- the pure PyTorch reference (CPU without the Triton interpreter, or on request).
+
+``auto`` sends ``rows // GROUP_ROWS * GROUP_ROWS`` rows to ``grouped`` when there are at least
+``GROUPED_MIN_ROWS`` rows and the shape is supported, the remaining rows to ``xqa``, and falls back to
+``splitk`` for shapes the page4 routes do not take. The reason a route is refused is logged once.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .utils import device_facts, interpreter_enabled, next_pow2
+
+logger = logging.getLogger("qsa")
+
+ROUTES = ("auto", "grouped", "xqa", "splitk", "reference")
+GROUP_ROWS = 8
+GROUPED_MIN_ROWS = 64
+HEAD_DIMS = (16, 32, 64, 128, 256)
+MAX_TILE_ROWS = 128
+"""Largest matrix-row tile (rows x heads, or heads) a page4 program holds."""
+
+_logged: set[str] = set()
+
+
+def log_once(message: str) -> None:
+    if message not in _logged:
+        _logged.add(message)
+        logger.info(message)
+
+
+@dataclass(frozen=True)
+class GroupedConfig:
+    rows_per_prog: int  # group rows one program computes (divides GROUP_ROWS)
+    block_m: int  # power of two >= rows_per_prog * G
+    mb: int  # microblocks per K/V tile
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """xqa (tile = 4 * mb tokens) and splitk (tile = block_n tokens) settings."""
+
+    tile_tokens: int
+    split_tiles: int  # tiles per split when the row is split
+    num_warps: int
+    num_stages: int
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    """Which rows go where. ``grouped_rows`` rows from row 0 take the grouped route, the rest xqa,
+    unless ``route`` is ``splitk`` or ``reference`` (then all rows take it)."""
+
+    route: str
+    grouped_rows: int
+    group_rows: int = GROUP_ROWS
+
+
+def grouped_config(G: int, head_dim: int) -> GroupedConfig:
+    """Tuned defaults per shape (see docs/perf-notes.md)."""
+    tile_rows = 64 if head_dim == 256 else MAX_TILE_ROWS
+    rows = GROUP_ROWS
+    while rows > 1 and rows * G > tile_rows:
+        rows //= 2
+    block_m = max(16, next_pow2(rows * G))
+    return GroupedConfig(rows_per_prog=rows, block_m=block_m, mb=16,
+                         num_warps=8 if head_dim * block_m >= 64 * 256 else 4, num_stages=2)
+
+
+def xqa_config(G: int, head_dim: int) -> SplitConfig:
+    return SplitConfig(tile_tokens=64, split_tiles=4, num_warps=4, num_stages=2)
+
+
+def splitk_config(G: int, head_dim: int) -> SplitConfig:
+    return SplitConfig(tile_tokens=64, split_tiles=4, num_warps=4, num_stages=2)
+
+
+def page4_refusal(G: int, head_dim: int) -> str | None:
+    """Why the page4 routes (grouped, xqa) cannot take this shape, or None."""
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} is not one of {HEAD_DIMS}"
+    if next_pow2(max(G, 16)) > MAX_TILE_ROWS:
+        return f"G = Hq / Hkv = {G} exceeds {MAX_TILE_ROWS} heads per tile"
+    return None
+
+
+def triton_available(device: torch.device) -> str | None:
+    """Why Triton kernels cannot run on ``device``, or None."""
+    if device.type == "cuda":
+        cap = device_facts(str(device))["capability"]
+        if cap < (8, 0):
+            return f"compute capability {cap} is below 8.0"
+        return None
+    if interpreter_enabled():
+        return None
+    return f"no Triton backend for device {device.type} (set TRITON_INTERPRET=1 to interpret)"
+
+
+def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device) -> RoutePlan:
+    """Admission: map a requested route to the rows each kernel takes.
+
+    A forced route that cannot run raises ValueError; ``auto`` falls back and logs why once.
+    """
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    if route == "reference":
+        return RoutePlan("reference", 0)
+    no_triton = triton_available(device)
+    if no_triton is not None:
+        if route != "auto":
+            raise ValueError(f"route={route!r} cannot run: {no_triton}")
+        log_once(f"qsa: using the reference route: {no_triton}")
+        return RoutePlan("reference", 0)
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {HEAD_DIMS} for the Triton routes, got {head_dim}")
+    refusal = page4_refusal(G, head_dim)
+    if route == "splitk":
+        return RoutePlan("splitk", 0)
+    if route in ("grouped", "xqa"):
+        if refusal is not None:
+            raise ValueError(f"route={route!r} cannot run: {refusal}")
+        return RoutePlan(route, rows if route == "grouped" else 0)
+    if refusal is not None:
+        log_once(f"qsa: page4 routes refused ({refusal}); using splitk")
+        return RoutePlan("splitk", 0)
+    if rows < GROUPED_MIN_ROWS:
+        return RoutePlan("xqa", 0)
+    return RoutePlan("grouped", rows // GROUP_ROWS * GROUP_ROWS)
+
+
+def split_count(rows: int, kv_heads: int, max_tiles: int, split_tiles: int, device: torch.device) -> int:
+    """Splits per row: one when the rows alone fill the device, else fixed-size splits."""
+    facts = device_facts(str(device))
+    if rows * kv_heads >= 4 * facts["sm_count"] or max_tiles <= split_tiles:
+        return 1
+    return -(-max_tiles // split_tiles)
