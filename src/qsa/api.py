@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import torch
 
 from . import attention, routes
-from .plan import (GroupedPlan, PlanWorkspace, SingleRowPlan, plan_groups, plan_single_rows,
-                   planner_programs, token_lists)
+from .plan import (GroupedPlan, PlanWorkspace, SingleRowPlan, physical_order, plan_groups,
+                   plan_single_rows, planner_programs, token_lists)
 from .utils import check_tensor, same_device
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
@@ -54,7 +54,7 @@ class AttentionPlan:
 def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int,
                    num_blocks: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                    route: str = "auto", out: AttentionPlan | None = None,
-                   workspace: PlanWorkspace | None = None) -> AttentionPlan:
+                   workspace: PlanWorkspace | None = None, order: str = "logical") -> AttentionPlan:
     """Choose routes and build their work lists for one batch of rows.
 
     Args:
@@ -66,7 +66,11 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
         route: "auto", "grouped", "xqa", "splitk" or "reference".
         out: a previous plan of the same shapes whose buffers are refilled (CUDA-graph capture).
         workspace: grouped-planner scratch to reuse (see :class:`qsa.plan.PlanWorkspace`).
+        order: "logical" (the contract). "physical" sorts grouped entries by physical id, which makes
+            outputs depend on page placement: a demonstration of why the order is logical.
     """
+    if order not in ("logical", "physical"):
+        raise ValueError(f"order must be 'logical' or 'physical', got {order!r}")
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     rows = indices.shape[0] if isinstance(indices, torch.Tensor) else 0
@@ -89,6 +93,8 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
                                                    device=indices.device)
             grouped = plan_groups(single, group_rows=choice.group_rows, num_rows=choice.grouped_rows,
                                   out=out.grouped if out is not None else None, workspace=workspace)
+            if order == "physical":
+                grouped = physical_order(grouped)
     elif choice.route == "splitk":
         tokens, counts = token_lists(indices, block_table, token_to_req, positions, seq_lens,
                                      block_size=block_size, num_blocks=num_blocks)

@@ -321,3 +321,23 @@ def token_lists(indices, block_table, token_to_req, positions, seq_lens, *, bloc
         num_warps=max(1, min(8, block_w // 256)),
     )
     return tokens, counts
+
+
+def physical_order(plan: GroupedPlan) -> GroupedPlan:
+    """The same grouped plan with each group's entries sorted by physical id.
+
+    A demonstration of the defect the logical order fixes: with this order the kernel's tile
+    sequence, and so its rounding, follows where the allocator put the pages. Never used by a route.
+    """
+    o_e = torch.arange(plan.capacity, device=plan.mb_ids.device)
+    live = o_e[None, :] < plan.counts[:, None]
+    key = torch.where(live, plan.mb_ids.long(), torch.iinfo(torch.int64).max)
+    order = torch.sort(key, dim=1, stable=True).indices
+    ids = torch.gather(plan.mb_ids, 1, order)
+    masks = torch.gather(plan.masks, 1, order)
+    padded = o_e[None, :] < (plan.counts[:, None] + PAD - 1) // PAD * PAD
+    pad_entry = ~live & padded
+    ids = torch.where(pad_entry, ids[:, :1], ids)
+    masks = torch.where(pad_entry, torch.zeros_like(masks), masks)
+    return GroupedPlan(ids, masks, plan.counts.clone(), plan.group_rows, plan.num_rows, plan.block_size,
+                       plan.num_blocks)
