@@ -1,0 +1,217 @@
+"""The attention routes against the fp64 reference, their determinism, and their guards."""
+
+import pytest
+import torch
+
+import qsa
+from qsa.cache import PagedKVCache, random_mapping
+from qsa.reference import assert_close_like_torch, make_attention_case, reference_attention
+
+ROUTES = ("grouped", "xqa", "splitk")
+
+
+def check_route(case, route, **kwargs):
+    """Run ``route`` into NaN-poisoned buffers and compare out and lse with the references."""
+    out = torch.full_like(case.q, float("nan"))
+    got, lse = case.run(qsa.sparse_paged_attention, route=route, out=out, return_lse=True, **kwargs)
+    assert got.data_ptr() == out.data_ptr()
+    ref, ref_lse = case.run(reference_attention, compute_dtype=torch.float64, **kwargs)
+    low, low_lse = case.run(reference_attention, compute_dtype=case.q.dtype, **kwargs)
+    return assert_close_like_torch(got, ref, low, lse=lse, ref_lse=ref_lse, torch_lse=low_lse, name=route)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_routes_match_reference(route, dtype, kv_cache_dtype):
+    case = make_attention_case(rows=19, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32,
+                               block_size=16, width=24, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                               with_gate=True, seed=1)
+    check_route(case, route)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("shape", [
+    dict(num_q_heads=12, num_kv_heads=1, head_dim=64, block_size=4, layout="separate"),
+    dict(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=32, layout="interleaved"),
+    dict(num_q_heads=2, num_kv_heads=2, head_dim=16, block_size=784, layout="interleaved"),
+])
+def test_shapes_layouts_and_block_sizes(route, shape):
+    case = make_attention_case(rows=11, num_reqs=2, width=20, max_seq_len=120, seed=2, **shape)
+    check_route(case, route)
+
+
+def test_splitk_takes_any_group_size():
+    case = make_attention_case(rows=7, num_reqs=2, num_q_heads=3, num_kv_heads=1, head_dim=16, width=16,
+                               seed=3)
+    check_route(case, "splitk")
+
+
+@pytest.mark.parametrize("route", ["xqa", "splitk"])
+def test_split_rows_merge_in_order(route, monkeypatch):
+    """Long rows split into fixed partitions and merged: still exact."""
+    case = make_attention_case(rows=5, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                               block_size=16, width=200, max_seq_len=400, messy=False, seed=4)
+    monkeypatch.setattr(qsa.routes, "split_count", lambda rows, kvh, tiles, split, dev: -(-tiles // split))
+    monkeypatch.setattr(qsa.routes, "xqa_config",
+                        lambda G, D: qsa.routes.SplitConfig(tile_tokens=16, split_tiles=2, num_warps=4, num_stages=2))
+    monkeypatch.setattr(qsa.routes, "splitk_config",
+                        lambda G, D: qsa.routes.SplitConfig(tile_tokens=16, split_tiles=2, num_warps=4, num_stages=2))
+    check_route(case, route)
+
+
+def test_scales_and_softmax_scale():
+    case = make_attention_case(rows=9, num_reqs=2, num_q_heads=4, num_kv_heads=1, head_dim=16, width=16,
+                               kv_cache_dtype="fp8_e4m3", seed=5)
+    for route in ROUTES:
+        check_route(case, route, softmax_scale=0.3, k_scale=0.7, v_scale=1.9)
+
+
+def test_auto_mixed_batch_is_grouped_plus_xqa():
+    case = make_attention_case(rows=69, num_reqs=4, num_q_heads=2, num_kv_heads=1, head_dim=16, width=12,
+                               seed=6)
+    plan = qsa.plan_attention(case.indices, case.block_table, case.token_to_req, case.positions,
+                              case.seq_lens, block_size=16, num_blocks=case.cache.num_blocks,
+                              num_q_heads=2, num_kv_heads=1, head_dim=16)
+    assert (plan.routes.route, plan.routes.grouped_rows, plan.grouped.num_groups) == ("grouped", 64, 8)
+    check_route(case, "auto")
+
+
+def _run(case, route, **kw):
+    return case.run(qsa.sparse_paged_attention, route=route, return_lse=True, **kw)
+
+
+def _assert_bitwise(a, b, what):
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), f"{what}: outputs are not bitwise equal"
+
+
+@pytest.mark.parametrize("route", ["grouped", "xqa", "auto"])
+def test_bitwise_determinism(route):
+    rows = 69 if route == "auto" else 24
+    case = make_attention_case(rows=rows, num_reqs=4, num_q_heads=6, num_kv_heads=1, head_dim=32,
+                               block_size=16, width=40, max_seq_len=160, with_gate=True, seed=7)
+    base = _run(case, route)
+    _assert_bitwise(base, _run(case, route), "repeat")
+    g = torch.Generator().manual_seed(11)
+    _assert_bitwise(base, _run(case.with_permuted_indices(g), route), "permuted indices")
+    n = case.cache.num_blocks
+    mapping = random_mapping(n, generator=g)
+    _assert_bitwise(base, _run(case.relocated(mapping), route), "relocation")
+    mapping = random_mapping(n, generator=g, collision_prone=True)
+    moved = case.relocated(mapping, num_blocks_out=int(mapping.max()) + 1)
+    _assert_bitwise(base, _run(moved, route), "relocation into a larger cache, collision-prone ids")
+
+
+def test_padding_and_empty_rows_are_zero():
+    case = make_attention_case(rows=10, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=8,
+                               padding_rows=4, seed=8)
+    case.indices[5] = -1  # an empty set
+    for route in ROUTES:
+        out, lse = _run(case, route)
+        for r in (0, 1, 2, 3, 5):
+            assert torch.equal(out[r], torch.zeros_like(out[r])), (route, r)
+            assert torch.isneginf(lse[r]).all(), (route, r)
+
+
+def _sandwiched(cache: PagedKVCache, guard_blocks: int = 3) -> PagedKVCache:
+    """The same cache as a view into a larger NaN-filled buffer: reading outside it shows as NaN."""
+    nb = cache.num_blocks
+    nan = 0x7F if cache.kv_cache_dtype == "fp8_e4m3" else float("nan")
+    big = torch.full((nb + 2 * guard_blocks, *cache.storage.shape[1:]), nan, dtype=cache.storage.dtype)
+    big[guard_blocks:guard_blocks + nb] = cache.storage
+    return PagedKVCache.from_storage(big[guard_blocks:guard_blocks + nb], kv_cache_dtype=cache.kv_cache_dtype,
+                                     k_scale=cache.k_scale, v_scale=cache.v_scale)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_adversarial_indices_and_tables_are_never_read(kv_cache_dtype):
+    case = make_attention_case(rows=16, num_reqs=3, num_q_heads=2, num_kv_heads=1, head_dim=16, width=24,
+                               kv_cache_dtype=kv_cache_dtype, seed=9)
+    g = torch.Generator().manual_seed(12)
+    wild = torch.tensor([-2**31, -5, 2**31 - 1, 2**30, 10**6], dtype=torch.int32)
+    pick = torch.randint(0, 5, case.indices.shape, generator=g)
+    swap = torch.rand(case.indices.shape, generator=g) < 0.3
+    case.indices[swap] = wild[pick[swap]]
+    case.block_table[:, -1] = torch.tensor([2**31 - 1, -2**31, case.cache.num_blocks], dtype=torch.int32)[
+        :case.block_table.shape[0]]
+    case.cache = _sandwiched(case.cache)
+    for route in ROUTES:
+        check_route(case, route)
+
+
+def test_out_and_gate_views():
+    """gate as the second half of a packed [rows, Hq, 2D] projection; out= written in place."""
+    case = make_attention_case(rows=9, num_reqs=2, num_q_heads=4, num_kv_heads=2, head_dim=16, width=12,
+                               seed=10)
+    packed = torch.randn(9, 4, 32).to(torch.float16)
+    case.q, case.gate = packed[..., :16], packed[..., 16:]
+    for route in ROUTES:
+        check_route(case, route)
+
+
+def test_bad_inputs_name_the_argument():
+    case = make_attention_case(rows=4, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=8,
+                               seed=11)
+    c = case.cache
+    args = [case.q, c.k, c.v, case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens]
+
+    def call(i=None, value=None, **kw):
+        a = list(args)
+        if i is not None:
+            a[i] = value
+        return qsa.sparse_paged_attention(*a, route="xqa", **kw)
+
+    with pytest.raises(TypeError, match="q must have dtype"):
+        call(0, case.q.float())
+    with pytest.raises(ValueError, match=r"q must be 3-D"):
+        call(0, case.q[0])
+    with pytest.raises(TypeError, match="k_cache"):
+        call(1, c.k.float())
+    with pytest.raises(ValueError, match="Hq % Hkv"):
+        kv2 = torch.zeros(c.num_blocks, c.block_size, 2, 16, dtype=torch.float16)
+        qsa.sparse_paged_attention(torch.randn(4, 3, 16).half(), kv2, kv2, *args[3:])
+    with pytest.raises(ValueError, match="v_cache"):
+        call(2, c.v[:-1])
+    with pytest.raises(TypeError, match="indices"):
+        call(3, case.indices.long())
+    with pytest.raises(ValueError, match="indices must have 4 rows"):
+        call(3, case.indices[:2])
+    with pytest.raises(ValueError, match="positions"):
+        call(6, case.positions[:3])
+    with pytest.raises(TypeError, match="seq_lens"):
+        call(7, case.seq_lens.long())
+    with pytest.raises(ValueError, match="gate"):
+        call(gate=case.q[:, :1])
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        call(kv_cache_dtype="int4")
+    with pytest.raises(ValueError, match="route"):
+        qsa.sparse_paged_attention(*args, route="fast")
+
+
+# Known-wrong kernels: the comparison used above must reject each of them.
+
+def test_checker_rejects_known_wrong_outputs():
+    case = make_attention_case(rows=12, num_reqs=3, num_q_heads=4, num_kv_heads=2, head_dim=16, width=16,
+                               seed=12)
+    ref, ref_lse = case.run(reference_attention, compute_dtype=torch.float64)
+    low, low_lse = case.run(reference_attention, compute_dtype=torch.float16)
+    good, lse = _run(case, "grouped")
+    assert_close_like_torch(good, ref, low, lse=lse, ref_lse=ref_lse, torch_lse=low_lse)
+
+    wrong = {}
+    wrong["zeros"] = (torch.zeros_like(good), lse)
+    # Mask ignored: every slot of every selected microblock attended.
+    plan = qsa.plan_attention(case.indices, case.block_table, case.token_to_req, case.positions,
+                              case.seq_lens, block_size=16, num_blocks=case.cache.num_blocks,
+                              num_q_heads=4, num_kv_heads=2, head_dim=16, route="grouped")
+    plan.grouped.masks.copy_(torch.where(plan.grouped.masks != 0, -1, 0))
+    wrong["mask ignored"] = qsa.run_attention(plan, case.q, case.cache.k, case.cache.v, return_lse=True)
+    # KV head j serving the wrong query heads.
+    swapped = case.cache.k.flip(2), case.cache.v.flip(2)
+    wrong["GQA head mapping"] = qsa.sparse_paged_attention(case.q, *swapped, *case.run(lambda *a, **k: a[3:]),
+                                                           route="grouped", return_lse=True)
+    wrong["log2 lse"] = (good, lse / 0.6931471805599453)
+    wrong["scale ignored"] = _run(case, "grouped", softmax_scale=1.0)
+    for name, (out, out_lse) in wrong.items():
+        with pytest.raises(AssertionError):
+            assert_close_like_torch(out, ref, low, lse=out_lse, ref_lse=ref_lse, torch_lse=low_lse, name=name)

@@ -1,0 +1,226 @@
+"""Page4 planner kernels against the loop reference planners: exact ids, masks and counts."""
+
+import pytest
+import torch
+
+from qsa.cache import random_mapping
+from qsa.plan import (PAD, GroupedPlan, PlanWorkspace, grouped_capacity, physical_order, plan_groups,
+                      plan_single_rows, single_row_capacity)
+from qsa.reference import (compare_plans, make_attention_case, reference_grouped_plan,
+                           reference_single_row_plan)
+
+
+def plans(case, *, group_rows=8, num_rows=None):
+    inputs = case.plan_inputs()
+    single = plan_single_rows(**inputs)
+    grouped = plan_groups(single, group_rows=group_rows, num_rows=num_rows)
+    return single, grouped
+
+
+def reference_plans(case, *, group_rows=8, num_rows=None):
+    inputs = case.plan_inputs()
+    return (reference_single_row_plan(**inputs),
+            reference_grouped_plan(**inputs, group_rows=group_rows, num_rows=num_rows))
+
+
+@pytest.mark.parametrize("block_size", [4, 16, 32])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_planners_match_reference(block_size, seed):
+    case = make_attention_case(rows=21, num_reqs=4, block_size=block_size, width=29, max_seq_len=90,
+                               seed=seed)
+    single, grouped = plans(case)
+    ref_single, ref_grouped = reference_plans(case)
+    assert compare_plans(single, ref_single) == []
+    assert compare_plans(grouped, ref_grouped) == []
+    assert single.capacity == single_row_capacity(29)
+    assert grouped.num_groups == 3 and grouped.capacity >= grouped_capacity(29, 8)
+
+
+@pytest.mark.parametrize("group_rows,num_rows", [(3, None), (1, 5), (8, 16), (5, 13)])
+def test_group_sizes_and_partial_groups(group_rows, num_rows):
+    case = make_attention_case(rows=17, num_reqs=3, block_size=16, width=20, seed=3)
+    single, grouped = plans(case, group_rows=group_rows, num_rows=num_rows)
+    _, ref_grouped = reference_plans(case, group_rows=group_rows, num_rows=num_rows)
+    assert compare_plans(grouped, ref_grouped) == []
+
+
+def test_aliased_pages_merge_and_masks_or():
+    # Rows of two requests that share their first physical block select the same tokens of it.
+    table = torch.tensor([[5, 2, 9], [5, 7, 3]], dtype=torch.int32)
+    indices = torch.tensor([[0, 1, 17, -1], [2, 1, 33, 34], [0, 3, -1, -1]], dtype=torch.int32)
+    token_to_req = torch.tensor([0, 1, 1], dtype=torch.int32)
+    positions = torch.tensor([40, 40, 40])
+    seq_lens = torch.tensor([48, 48], dtype=torch.int32)
+    kw = dict(block_size=16, num_blocks=10)
+    single = plan_single_rows(indices, table, token_to_req, positions, seq_lens, **kw)
+    grouped = plan_groups(single, group_rows=4)
+    # Microblock 5 * 4 + 0 = 20 holds tokens 0..3 of both requests: one entry, rows' nibbles OR-ed.
+    # Token 17 is microblock 2 * 4 + 0 of request 0; tokens 33, 34 microblock 3 * 4 + 0 of request 1.
+    assert grouped.counts.tolist() == [3]
+    assert grouped.mb_ids[0, :3].tolist() == [20, 8, 12]
+    assert grouped.masks[0, :3].tolist() == [0b1001_0110_0011, 0b0010, 0b0110 << 4]
+    assert grouped.mb_ids[0, 3:PAD].tolist() == [20] * (PAD - 3)
+    assert grouped.masks[0, 3:PAD].tolist() == [0] * (PAD - 3)
+    ref = reference_grouped_plan(indices, table, token_to_req, positions, seq_lens, group_rows=4, **kw)
+    assert compare_plans(grouped, ref) == []
+
+
+def test_invalid_rows_and_empty_groups():
+    case = make_attention_case(rows=24, num_reqs=2, block_size=16, width=12, padding_rows=0, seed=4)
+    case.token_to_req[0:8] = -1  # a whole group of invalid requests: empty group
+    case.indices[8:16] = -1  # a whole group of all -1 rows
+    case.positions[16] = -1
+    case.token_to_req[17] = 99
+    single, grouped = plans(case)
+    ref_single, ref_grouped = reference_plans(case)
+    assert compare_plans(single, ref_single) == []
+    assert compare_plans(grouped, ref_grouped) == []
+    assert grouped.counts[:2].tolist() == [0, 0]
+    assert single.counts[[0, 8, 16, 17]].tolist() == [0, 0, 0, 0]
+
+
+def test_widest_group():
+    """Every row: 512 complete blocks + a 3-token tail (width 2051), 8 rows of one request."""
+    g = torch.Generator().manual_seed(5)
+    seq = 8192
+    block_size, nb = 16, seq // 16 + 1
+    table = (torch.randperm(nb - 1, generator=g) + 1).to(torch.int32)[None, :]
+    rows = []
+    for r in range(8):
+        pos = seq - 8 + r - 1 if r < 7 else seq - 2  # tails of 0..3 tokens
+        blocks = torch.sort(torch.randperm((pos + 1) // 4, generator=g)[:512]).values
+        toks = (blocks[:, None] * 4 + torch.arange(4)).flatten().tolist()
+        tail = list(range((pos + 1) // 4 * 4, pos + 1))
+        rows.append((toks + tail + [-1] * 3)[:2051])
+    indices = torch.tensor(rows, dtype=torch.int32)
+    positions = torch.tensor([seq - 9 + r for r in range(7)] + [seq - 2])
+    args = (indices, table, torch.zeros(8, dtype=torch.int32), positions,
+            torch.tensor([seq], dtype=torch.int32))
+    single = plan_single_rows(*args, block_size=block_size, num_blocks=nb)
+    grouped = plan_groups(single)
+    ref_single = reference_single_row_plan(*args, block_size=block_size, num_blocks=nb)
+    ref_grouped = reference_grouped_plan(*args, block_size=block_size, num_blocks=nb)
+    assert compare_plans(single, ref_single) == []
+    assert compare_plans(grouped, ref_grouped) == []
+    assert single.counts.max().item() == 513
+
+
+def test_every_index_its_own_microblock():
+    """Capacity: a row whose W indices all open distinct microblocks still fits."""
+    width = 40
+    indices = (torch.arange(width, dtype=torch.int32) * 4 + 1)[None, :].repeat(9, 1)
+    table = torch.arange(12, dtype=torch.int32)[None, :]
+    args = (indices, table, torch.zeros(9, dtype=torch.int32), torch.full((9,), 1000),
+            torch.tensor([192], dtype=torch.int32))
+    single = plan_single_rows(*args, block_size=16, num_blocks=12)
+    grouped = plan_groups(single)
+    assert single.counts.tolist() == [40] * 9
+    assert grouped.counts.tolist() == [40, 40]
+    assert compare_plans(grouped, reference_grouped_plan(*args, block_size=16, num_blocks=12)) == []
+
+
+@pytest.mark.parametrize("collision_prone", [False, True])
+def test_relocation_changes_only_ids(collision_prone):
+    case = make_attention_case(rows=19, num_reqs=4, block_size=16, width=24, seed=6)
+    single, grouped = plans(case)
+    n = case.cache.num_blocks
+    mapping = random_mapping(n, generator=torch.Generator().manual_seed(1), collision_prone=collision_prone)
+    out_blocks = int(mapping.max()) + 1
+    moved = case.relocated(mapping, num_blocks_out=out_blocks)
+    single2, grouped2 = plans(moved)
+    assert compare_plans(single, single2, mapping=mapping) == []
+    assert compare_plans(grouped, grouped2, mapping=mapping) == []
+    ref_single, ref_grouped = reference_plans(moved)
+    assert compare_plans(grouped2, ref_grouped) == []
+
+
+def test_permuted_entries_give_the_same_plan():
+    case = make_attention_case(rows=16, num_reqs=2, block_size=32, width=30, seed=7)
+    single, grouped = plans(case)
+    shuffled = case.with_permuted_indices(torch.Generator().manual_seed(2))
+    assert not torch.equal(shuffled.indices, case.indices)
+    single2, grouped2 = plans(shuffled)
+    assert compare_plans(single, single2) == []
+    assert compare_plans(grouped, grouped2) == []
+
+
+def test_workspace_is_reusable():
+    case = make_attention_case(rows=16, num_reqs=3, block_size=16, width=20, seed=8)
+    single = plan_single_rows(**case.plan_inputs())
+    ws = PlanWorkspace.allocate(index_width=20, group_rows=8, programs=1, device="cpu")
+    first = plan_groups(single, workspace=ws)
+    assert torch.equal(ws.table_ids, torch.full_like(ws.table_ids, -1)), "tables must be left empty"
+    second = plan_groups(single, workspace=ws)
+    assert compare_plans(first, second) == []
+
+
+# Known-wrong planners: the checks above must reject each of them.
+
+def _wrong_physical_order(plan: GroupedPlan) -> GroupedPlan:
+    return physical_order(plan)
+
+
+def _wrong_masks_not_ored(case) -> GroupedPlan:
+    """Aliased entries keep only their first occurrence's mask."""
+    single = reference_single_row_plan(**case.plan_inputs())
+    ref = reference_grouped_plan(**case.plan_inputs())
+    masks = ref.masks.clone()
+    for g in range(ref.num_groups):
+        seen = {}
+        for q in range(8):
+            r = g * 8 + q
+            if r >= single.num_rows:
+                break
+            for j in range(int(single.counts[r])):
+                seen.setdefault(int(single.mb_ids[r, j]), int(single.masks[r, j]) << (4 * q))
+        for e in range(int(ref.counts[g])):
+            masks[g, e] = torch.tensor(seen[int(ref.mb_ids[g, e])]).to(torch.int32)
+    return GroupedPlan(ref.mb_ids, masks, ref.counts, 8, ref.num_rows, ref.block_size, ref.num_blocks)
+
+
+def _wrong_padding_to_block0(plan: GroupedPlan) -> GroupedPlan:
+    ids = plan.mb_ids.clone()
+    for g, n in enumerate(plan.counts.tolist()):
+        ids[g, n:(n + PAD - 1) // PAD * PAD] = 0
+    return GroupedPlan(ids, plan.masks, plan.counts, plan.group_rows, plan.num_rows, plan.block_size,
+                       plan.num_blocks)
+
+
+def test_known_wrong_planners_are_rejected():
+    case = make_attention_case(rows=16, num_reqs=3, block_size=16, width=24, seed=9)
+    _, grouped = plans(case)
+    _, ref = reference_plans(case)
+    assert compare_plans(grouped, ref) == []
+    assert compare_plans(_wrong_physical_order(grouped), ref) != []
+    assert compare_plans(_wrong_masks_not_ored(case), ref) != []
+    assert compare_plans(_wrong_padding_to_block0(grouped), ref) != []
+    # Physical order is also caught by the relocation check: its order follows the pages.
+    mapping = random_mapping(case.cache.num_blocks, generator=torch.Generator().manual_seed(3))
+    moved = case.relocated(mapping)
+    _, grouped2 = plans(moved)
+    assert compare_plans(physical_order(grouped), physical_order(grouped2), mapping=mapping) != []
+
+
+def test_bad_inputs_are_named():
+    case = make_attention_case(rows=4, num_reqs=2, width=8, seed=10)
+    kw = case.plan_inputs()
+    with pytest.raises(TypeError, match="indices"):
+        plan_single_rows(**{**kw, "indices": kw["indices"].long()})
+    with pytest.raises(ValueError, match="token_to_req"):
+        plan_single_rows(**{**kw, "token_to_req": kw["token_to_req"][:2]})
+    with pytest.raises(TypeError, match="block_table"):
+        plan_single_rows(**{**kw, "block_table": kw["block_table"].float()})
+    with pytest.raises(ValueError, match="block_size"):
+        plan_single_rows(**{**kw, "block_size": 6})
+    with pytest.raises(ValueError, match="int32"):
+        plan_single_rows(**{**kw, "num_blocks": 2**31})
+    with pytest.raises(ValueError, match="group_rows"):
+        plan_groups(plan_single_rows(**kw), group_rows=9)
+
+
+def test_zero_rows():
+    kw = make_attention_case(rows=4, num_reqs=2, width=8, seed=11).plan_inputs()
+    kw.update(indices=kw["indices"][:0], token_to_req=kw["token_to_req"][:0], positions=kw["positions"][:0])
+    single = plan_single_rows(**kw)
+    grouped = plan_groups(single)
+    assert single.num_rows == 0 and grouped.num_groups == 0
