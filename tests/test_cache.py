@@ -2,12 +2,14 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
-from qsa.cache import (COLLISION_OFFSET, COLLISION_STRIDE, E4M3_NAN_BYTE, BlockAllocator, OutOfBlocksError,
-                       PagedKVCache, allocate_kv_cache, collision_prone_num_blocks, dequantize_e4m3,
-                       quantize_e4m3, random_mapping, relocate, write_kv)
+import qsa.cache
+from qsa.cache import (COLLISION_OFFSET, COLLISION_STRIDE, E4M3_NAN_BYTE, E4M3_SATURATES, BlockAllocator,
+                       OutOfBlocksError, PagedKVCache, allocate_kv_cache, collision_prone_num_blocks,
+                       dequantize_e4m3, quantize_e4m3, random_mapping, relocate, write_kv)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -17,6 +19,33 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 def _cache_bytes(cache: PagedKVCache) -> list:
     return [_bytes(cache.storage)] if cache.storage is not None else [_bytes(cache.k), _bytes(cache.v)]
+
+
+def _e4m3_model(x: torch.Tensor, saturate: bool) -> torch.Tensor:
+    """torch's fp32 -> E4M3FN cast restated in numpy; ``saturate`` picks newer (+-448) or older
+    (NaN) overflow handling. Checked against the installed torch in the mode it uses."""
+    f = x.float().numpy()
+    with np.errstate(over="ignore", invalid="ignore"):
+        bits = f.view(np.uint32).astype(np.int64)
+        sign = (bits >> 24) & 0x80
+        mag = bits & 0x7FFFFFFF
+        sub = (np.abs(f) + np.float32(16384.0)).view(np.uint32).astype(np.int64) - (141 << 23)
+        norm = (mag - (120 << 23) + 0x7FFFF + ((mag >> 20) & 1)) >> 20
+    if saturate:
+        norm = np.where(norm == 0x7F, 0x7E, norm)
+        big = np.where(mag > 0x7F800000, 0x7F, 0x7E)
+    else:
+        big = np.full_like(mag, 0x7F)
+    out = np.where(mag >= 0x43F00000, big, np.where(mag < (121 << 23), sub, norm))
+    return torch.from_numpy(((out & 0x7F) | sign).astype(np.uint8))
+
+
+def _assert_same_e4m3(got: torch.Tensor, want: torch.Tensor, x: torch.Tensor) -> None:
+    """Bytes equal, except that a NaN input only needs some E4M3 NaN: the sign of a NaN after
+    ``x / scale`` is the platform's (a GPU's fp32 division returns a positive canonical NaN)."""
+    got, want, nan = got.cpu().flatten(), want.cpu().flatten(), x.cpu().flatten().isnan()
+    assert torch.equal(got[~nan], want[~nan])
+    assert ((got[nan] & 0x7F) == 0x7F).all()
 
 
 def _e4m3_probe_values() -> torch.Tensor:
@@ -88,10 +117,20 @@ class TestE4M3:
             want = (x / scale).to(torch.float8_e4m3fn).view(torch.uint8)
             assert torch.equal(quantize_e4m3(x, scale), want)
 
-    def test_torch_cast_saturates_and_keeps_nan(self):
-        """The behaviour the kernel reproduces (torch's E4M3FN cast in the installed version)."""
-        got = quantize_e4m3(torch.tensor([480.0, 1e9, float("inf"), -float("inf"), float("nan")]), 1.0)
-        assert got.tolist() == [0x7E, 0x7E, 0x7E, 0xFE, 0x7F]
+    def test_torch_cast_overflow_and_nan(self):
+        """The behaviour the kernel reproduces: torch's E4M3FN cast in the installed version."""
+        got = quantize_e4m3(torch.tensor([464.0, 470.0, 1e9, float("inf"), -float("inf"), float("nan")]), 1.0)
+        if E4M3_SATURATES:
+            assert got.tolist() == [0x7E, 0x7E, 0x7E, 0x7E, 0xFE, 0x7F]
+        else:
+            assert got.tolist() == [0x7E, 0x7F, 0x7F, 0x7F, 0xFF, 0x7F]
+
+    def test_numpy_model_is_torch(self):
+        x = _e4m3_probe_values()
+        assert torch.equal(_e4m3_model(x, E4M3_SATURATES), x.to(torch.float8_e4m3fn).view(torch.uint8))
+        # The two overflow modes differ exactly on values that round past 448.
+        differ = _e4m3_model(x, True) != _e4m3_model(x, False)
+        assert torch.equal(differ, (x.abs() > 464) & ~x.isnan())
 
     def test_dequantize_roundtrip(self):
         u8 = torch.arange(256, dtype=torch.int32).to(torch.uint8)
@@ -105,11 +144,12 @@ class TestE4M3:
 class TestWriteKV:
     def _expected(self, cache, k, v, slots):
         """Loop reference of write_kv on a copy of ``cache``."""
-        want = PagedKVCache.from_storage(cache.storage.clone(), kv_cache_dtype=cache.kv_cache_dtype,
-                                         k_scale=cache.k_scale, v_scale=cache.v_scale) \
-            if cache.storage is not None else \
-            PagedKVCache(cache.k.clone(), cache.v.clone(), None, cache.kv_cache_dtype, cache.k_scale,
-                         cache.v_scale)
+        if cache.storage is not None:
+            want = PagedKVCache.from_storage(cache.storage.cpu().clone(), kv_cache_dtype=cache.kv_cache_dtype,
+                                             k_scale=cache.k_scale, v_scale=cache.v_scale)
+        else:
+            want = PagedKVCache(cache.k.cpu().clone(), cache.v.cpu().clone(), None, cache.kv_cache_dtype,
+                                cache.k_scale, cache.v_scale)
         fp8 = cache.kv_cache_dtype == "fp8_e4m3"
         for i, s in enumerate(slots.tolist()):
             if not 0 <= s < cache.num_blocks * cache.block_size:
@@ -122,7 +162,8 @@ class TestWriteKV:
     @pytest.mark.parametrize("block_size", [4, 16, 32])
     @pytest.mark.parametrize("layout", ["interleaved", "separate"])
     @pytest.mark.parametrize("kv_cache_dtype,dtype", [("auto", torch.float16), ("auto", torch.bfloat16),
-                                                      ("fp8_e4m3", torch.bfloat16), ("fp8_e4m3", torch.float16)])
+                                                      ("fp8_e4m3", torch.bfloat16),
+                                                      ("fp8_e4m3", torch.float16)])
     def test_matches_loop_and_skips_bad_slots(self, block_size, layout, kv_cache_dtype, dtype, device):
         g = torch.Generator().manual_seed(block_size)
         num_blocks, hkv, d = 5, 2, 24
@@ -157,10 +198,26 @@ class TestWriteKV:
                                   fill="nan", device=device)
         write_kv(cache.k, cache.v, x.to(device), (-x).to(device), torch.arange(t, device=device),
                  kv_cache_dtype="fp8_e4m3")
-        got_k = cache.k.reshape(-1, 1, d)[:t].cpu()
-        got_v = cache.v.reshape(-1, 1, d)[:t].cpu()
-        assert torch.equal(got_k, x.to(torch.float8_e4m3fn).view(torch.uint8))
-        assert torch.equal(got_v, (-x).to(torch.float8_e4m3fn).view(torch.uint8))
+        got_k = cache.k.reshape(-1, 1, d)[:t]
+        got_v = cache.v.reshape(-1, 1, d)[:t]
+        # Bit-exact with torch's cast on the same device, NaN signs included ...
+        assert torch.equal(got_k, quantize_e4m3(x.to(device), 1.0))
+        assert torch.equal(got_v, quantize_e4m3(-x.to(device), 1.0))
+        # ... and with the CPU cast up to the sign of NaNs.
+        _assert_same_e4m3(got_k, x.to(torch.float8_e4m3fn).view(torch.uint8), x)
+        _assert_same_e4m3(got_v, (-x).to(torch.float8_e4m3fn).view(torch.uint8), x)
+
+    def test_fp8_other_overflow_mode(self, device, monkeypatch):
+        """The overflow mode the installed torch does not use, against the numpy model."""
+        other = not E4M3_SATURATES
+        monkeypatch.setattr(qsa.cache, "E4M3_SATURATES", other)
+        x = _e4m3_probe_values()
+        x = x[(x.abs() > 400) | x.isnan()]
+        x = torch.cat([x, torch.ones(-x.numel() % 64)]).view(-1, 1, 64)
+        t = x.shape[0]
+        cache = allocate_kv_cache(-(-t // 4), 4, 1, 64, kv_cache_dtype="fp8_e4m3", fill="nan", device=device)
+        cache.write(x.to(device), x.to(device), torch.arange(t, device=device))
+        _assert_same_e4m3(cache.k.reshape(-1, 1, 64)[:t], _e4m3_model(x, other), x)
 
     @pytest.mark.parametrize("scale", [0.37, 1 / 3, 3.0, 1e-3])
     def test_fp8_scaled_bit_exact(self, scale, device):
@@ -173,12 +230,30 @@ class TestWriteKV:
                            .view(torch.uint8))
         assert torch.equal(cache.v.reshape(16, 2, 64).cpu(), quantize_e4m3(x, scale / 2))
 
-    def test_checker_catches_a_shifted_write(self):
-        cache = allocate_kv_cache(2, 4, 1, 4, fill="nan")
+    @pytest.mark.parametrize("scale", [0.37, 1 / 3, 3.0, 0.1])
+    def test_fp8_division_is_correctly_rounded(self, scale, device):
+        """fp32 inputs within a few ulps of ``tie * scale``: only a correctly rounded ``x / scale``
+        (not ``x * (1 / scale)``) lands on the same side of every E4M3 tie as torch."""
+        grid = torch.arange(128, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
+        grid = grid[torch.isfinite(grid)]
+        ties = (grid[:-1] + grid[1:]) / 2
+        bits = (ties * scale).float().view(torch.int32)
+        x = torch.cat([(bits + ulps).view(torch.float32) for ulps in range(-3, 4)])
+        x = torch.cat([x, -x])
+        x = torch.cat([x, torch.ones(-x.numel() % 64)]).view(-1, 1, 64)
+        t = x.shape[0]
+        cache = allocate_kv_cache(-(-t // 4), 4, 1, 64, kv_cache_dtype="fp8_e4m3", fill="nan", device=device,
+                                  k_scale=scale, v_scale=scale)
+        cache.write(x.to(device), x.to(device), torch.arange(t, device=device))
+        assert torch.equal(cache.k.reshape(-1, 1, 64)[:t].cpu(),
+                           (x / scale).to(torch.float8_e4m3fn).view(torch.uint8))
+
+    def test_checker_catches_a_shifted_write(self, device):
+        cache = allocate_kv_cache(2, 4, 1, 4, fill="nan", device=device)
         k = torch.ones(1, 1, 4, dtype=torch.float16)
         want = self._expected(cache, k, k, torch.tensor([3]))
-        cache.write(k, k, torch.tensor([2]))
-        assert not torch.equal(_bytes(cache.storage), _bytes(want.storage))
+        cache.write(k.to(device), k.to(device), torch.tensor([2], device=device))
+        assert not torch.equal(_bytes(cache.storage).cpu(), _bytes(want.storage))
 
     def test_empty_batch_is_a_no_op(self):
         cache = allocate_kv_cache(2, 4, 1, 4, fill="nan")

@@ -128,7 +128,8 @@ def test_hand_computed_case():
     q = torch.tensor([[[1.0, 2.0]], [[0.5, 0.5]], [[1.0, 1.0]]])
     # Row 0: tokens {0, 2, 4} (duplicate 2, -1, token 5 > pos 4 dropped).
     # Row 1: tokens {1} only (6 >= seq_len). Row 2: position -1, a padding row.
-    indices = torch.tensor([[2, 0, -1, 5, 2, 4], [1, 6, -1, -1, -1, -1], [0, 1, 2, 3, 4, 5]], dtype=torch.int32)
+    indices = torch.tensor([[2, 0, -1, 5, 2, 4], [1, 6, -1, -1, -1, -1], [0, 1, 2, 3, 4, 5]],
+                           dtype=torch.int32)
     args = (q, cache.k, cache.v, indices, table, torch.tensor([0, 0, 0], dtype=torch.int32),
             torch.tensor([4, 5, -1]), torch.tensor([6], dtype=torch.int32))
     s = torch.tensor([1.0, 3.0, 2.0], dtype=torch.float64)  # q0 . k[0, 2, 4]
@@ -280,7 +281,8 @@ class TestChecker:
 def test_bad_arguments(change, exc, match):
     cache = allocate_kv_cache(4, 4, 2, 16, fill="zeros")
     args = dict(q=torch.zeros(3, 2, 16), k_cache=cache.k, v_cache=cache.v,
-                indices=torch.zeros(3, 4, dtype=torch.int32), block_table=torch.zeros(1, 2, dtype=torch.int32),
+                indices=torch.zeros(3, 4, dtype=torch.int32),
+                block_table=torch.zeros(1, 2, dtype=torch.int32),
                 token_to_req=torch.zeros(3, dtype=torch.int32), positions=torch.zeros(3, dtype=torch.int64),
                 seq_lens=torch.ones(1, dtype=torch.int32), gate=None, kv_cache_dtype="auto")
     args.update(change)

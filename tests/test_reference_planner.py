@@ -139,7 +139,8 @@ class TestHandCases:
         """A table mapping two logical blocks of one request to one physical block: the single-row
         plan keeps two entries with the same id; the grouped union merges them (masks OR)."""
         inputs = dict(indices=torch.tensor([[0, 1, 6]], dtype=torch.int32),
-                      block_table=torch.tensor([[3, 3]], dtype=torch.int32), token_to_req=torch.zeros(1, dtype=torch.int32),
+                      block_table=torch.tensor([[3, 3]], dtype=torch.int32),
+                      token_to_req=torch.zeros(1, dtype=torch.int32),
                       positions=torch.tensor([7]), seq_lens=torch.tensor([8], dtype=torch.int32),
                       block_size=4, num_blocks=4)
         assert _entries(reference_single_row_plan(**inputs), 0) == [(3, 0x3), (3, 0x4)]
@@ -184,7 +185,8 @@ class TestWidestGroup:
             toks = torch.cat([toks, torch.arange(seq_len - 3, seq_len)])
             rows.append(toks[torch.randperm(self.WIDTH, generator=g)])
         inputs = dict(indices=torch.stack(rows).to(torch.int32), block_table=table,
-                      token_to_req=torch.tensor([0 if same_request else q for q in range(8)], dtype=torch.int32),
+                      token_to_req=torch.tensor([0 if same_request else q for q in range(8)],
+                                                dtype=torch.int32),
                       positions=torch.full((8,), seq_len - 1), seq_lens=torch.full((num_reqs,), seq_len,
                                                                                       dtype=torch.int32),
                       block_size=block_size, num_blocks=alloc.num_blocks)
@@ -216,7 +218,8 @@ class TestWidestGroup:
         inputs, expect = self._build(same_request=True)
         grouped = reference_grouped_plan(**inputs)
         assert grouped.counts.tolist() == [513]
-        assert _entries(grouped, 0) == [(i, -1) for i, _ in expect[0][:512]] + [(expect[0][512][0], 0x77777777)]
+        tail_id = expect[0][512][0]
+        assert _entries(grouped, 0) == [(i, -1) for i, _ in expect[0][:512]] + [(tail_id, 0x77777777)]
 
 
 def _vectorised_single_entries(case):

@@ -30,6 +30,17 @@ FP8_E4M3_MAX = 448.0
 E4M3_NAN_BYTE = 0x7F
 """The byte ``fill="nan"`` writes into FP8 caches (positive E4M3FN NaN)."""
 
+
+def _torch_e4m3_saturates() -> bool:
+    """How the installed torch casts values past the E4M3 range: to +-448 (seen in torch 2.13) or to
+    NaN (seen in torch 2.11)."""
+    probe = torch.tensor([470.0, 1e6, float("inf")]).to(torch.float8_e4m3fn).view(torch.uint8).tolist()
+    return probe == [0x7E, 0x7E, 0x7E]
+
+
+E4M3_SATURATES = _torch_e4m3_saturates()
+"""Whether FP8 writes saturate overflow to +-448 (True) or produce NaN (False); follows torch."""
+
 COLLISION_STRIDE = 2048
 """Default spacing of collision-prone block ids: ``page * COLLISION_STRIDE + COLLISION_OFFSET``."""
 COLLISION_OFFSET = 7
@@ -38,10 +49,15 @@ COLLISION_OFFSET = 7
 def quantize_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
     """``(x.float() / scale).to(float8_e4m3fn)`` as bytes (``torch.uint8``, same shape as ``x``).
 
-    Round to nearest even; with the torch this package is tested against, finite overflow and
-    +-inf saturate to +-448 and NaN stays NaN. The division is the correctly rounded fp32 one on
-    every device (torch's CUDA ``tensor / python_float`` multiplies by a reciprocal instead and can
-    differ by one fp32 ulp, so the scale is passed as a tensor).
+    Round to nearest even; NaN stays NaN. Values that round past 448 (``|x / scale| > 464``, inf
+    included) follow the installed torch: +-448 in newer releases, NaN in older ones (see
+    :data:`E4M3_SATURATES`); the write kernel does the same.
+
+    A NaN keeps the sign bit the division gives it (a GPU's fp32 division returns a positive
+    canonical NaN, so ``-nan`` becomes 0x7F there and 0xFF on CPU); the kernel matches torch on the
+    same device. The division is the correctly rounded fp32 one on every device: torch's CUDA
+    ``tensor / python_float`` multiplies by a reciprocal instead (one fp32 ulp off at times, which can
+    flip an E4M3 rounding), so the scale is passed as a tensor.
     """
     _check_scale("scale", scale)
     s = torch.tensor(float(scale), dtype=torch.float32, device=x.device)
@@ -234,7 +250,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``; strided views of an interleaved
             storage are fine. fp16/bf16/fp32 for ``"auto"``, ``torch.uint8`` for ``"fp8_e4m3"``.
         k, v: ``[T, Hkv, D]`` new rows (any strides). Same dtype as the cache for ``"auto"``;
-            fp16/bf16/fp32 for FP8, quantised as ``(x.float() / scale).to(e4m3)`` bit-exactly.
+            fp16/bf16/fp32 for FP8, quantised bit-exactly as :func:`quantize_e4m3`.
         slot_mapping: ``[T]`` int64 (or int32) ``physical_block * block_size + offset``. Slots < 0
             or >= ``num_blocks * block_size`` are skipped (nothing is written for them).
         kv_cache_dtype: ``"auto"`` or ``"fp8_e4m3"``.
@@ -272,6 +288,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         HEAD_DIM=head_dim,
         BLOCK_D=next_pow2(head_dim),
         IS_FP8=kv_cache_dtype == "fp8_e4m3",
+        SATURATE=E4M3_SATURATES,
     )
 
 
@@ -370,7 +387,8 @@ class BlockAllocator:
         if dst_req in self._blocks and self._blocks[dst_req]:
             raise ValueError(f"dst_req {dst_req!r} already holds blocks; share_prefix needs a new request")
         if not 0 <= num_blocks <= len(src):
-            raise ValueError(f"num_blocks must be in [0, {len(src)}] (blocks of {src_req!r}), got {num_blocks}")
+            raise ValueError(f"num_blocks must be in [0, {len(src)}] (blocks of {src_req!r}), "
+                             f"got {num_blocks}")
         shared = src[:num_blocks]
         for b in shared:
             self._refcount[b] += 1
@@ -449,6 +467,9 @@ def collision_prone_num_blocks(num_blocks_in: int, stride: int = COLLISION_STRID
 def relocate(tensor: torch.Tensor, block_table: torch.Tensor, mapping: torch.Tensor, *,
              num_blocks_out: int | None = None, fill=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Move the physical blocks of a paged tensor and rewrite the block table to match.
+
+    A test utility: it validates the mapping on the host (it synchronises), so keep it out of
+    captured CUDA graphs.
 
     Args:
         tensor: any paged tensor whose dim 0 is the physical block (interleaved storage, a separate

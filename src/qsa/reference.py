@@ -36,10 +36,10 @@ def _check_inputs(q, k_cache, v_cache, indices, block_table, token_to_req, posit
                   gate, kv_cache_dtype):
     check_tensor("q", q, ndim=3, what="[rows, Hq, D]")
     rows, num_q_heads, head_dim = q.shape
-    cache_dtypes = torch.uint8 if kv_cache_dtype == "fp8_e4m3" else (torch.float16, torch.bfloat16,
-                                                                      torch.float32, torch.float64)
     if kv_cache_dtype not in ("auto", "fp8_e4m3"):
         raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {kv_cache_dtype!r}")
+    cache_dtypes = torch.uint8 if kv_cache_dtype == "fp8_e4m3" else (torch.float16, torch.bfloat16,
+                                                                      torch.float32, torch.float64)
     check_tensor("k_cache", k_cache, ndim=4, dtypes=cache_dtypes, shape=(None, None, None, head_dim),
                  what="[num_blocks, block_size, Hkv, D]")
     check_tensor("v_cache", v_cache, ndim=4, dtypes=k_cache.dtype, shape=tuple(k_cache.shape),
@@ -106,7 +106,8 @@ def reference_attention(q, k_cache, v_cache, indices, block_table, token_to_req,
         q: ``[rows, Hq, D]``; KV head ``j`` serves query heads ``[j*G, (j+1)*G)``, ``G = Hq // Hkv``.
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` (uint8 E4M3 for ``"fp8_e4m3"``).
         indices: ``[rows, W]`` int32/int64 logical tokens (any order, duplicates, -1 allowed).
-        block_table: ``[num_reqs, max_blocks]``; token_to_req, positions: ``[rows]``; seq_lens: ``[num_reqs]``.
+        block_table: ``[num_reqs, max_blocks]``; token_to_req, positions: ``[rows]``;
+            seq_lens: ``[num_reqs]``.
         gate: optional ``[rows, Hq, D]``, applied as ``out * sigmoid(gate)``.
         kv_cache_dtype, k_scale, v_scale: FP8 caches read as ``e4m3 * scale``.
         softmax_scale: default ``D ** -0.5``.
@@ -281,7 +282,8 @@ def assert_close_like_torch(out, ref, torch_out, *, lse=None, ref_lse=None, torc
     lse_bound = factor * torch_lse_err + lse_floor
     stats.update(lse_err=lse_err, torch_lse_err=torch_lse_err, lse_bound=lse_bound)
     if lse_err > lse_bound:
-        raise AssertionError(f"{name} lse: max abs error {lse_err:.3e} > {factor} x torch {torch_lse_err:.3e} "
+        raise AssertionError(f"{name} lse: max abs error {lse_err:.3e} > {factor} x torch "
+                             f"{torch_lse_err:.3e} "
                              f"+ floor {lse_floor:.3e} = {lse_bound:.3e}")
     return stats
 
@@ -418,7 +420,8 @@ def compare_plans(a, b, *, ignore_ids: bool = False, mapping: torch.Tensor | Non
     if a.block_size != b.block_size:
         msgs.append(f"block_size differs: {a.block_size} vs {b.block_size}")
     if isinstance(a, GroupedPlan) and (a.group_rows, a.num_rows) != (b.group_rows, b.num_rows):
-        msgs.append(f"(group_rows, num_rows) differ: {(a.group_rows, a.num_rows)} vs {(b.group_rows, b.num_rows)}")
+        msgs.append(f"(group_rows, num_rows) differ: {(a.group_rows, a.num_rows)} vs "
+                    f"{(b.group_rows, b.num_rows)}")
     if a.counts.shape != b.counts.shape:
         msgs.append(f"number of lists differs: {a.counts.shape[0]} vs {b.counts.shape[0]}")
     if msgs:

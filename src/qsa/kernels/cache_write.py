@@ -5,12 +5,13 @@ import triton.language as tl
 
 
 @triton.jit
-def fp32_to_e4m3_bits(x):
-    """Round fp32 ``x`` to FP8 E4M3FN and return the byte (as int32), bit-exact with torch.
+def fp32_to_e4m3_bits(x, SATURATE: tl.constexpr):
+    """Round fp32 ``x`` to FP8 E4M3FN and return the byte (as int32), bit-exact with torch's cast.
 
-    Round to nearest even; finite overflow and +-inf saturate to +-448 (0x7E / 0xFE); NaN gives
-    0x7F with the input's sign. Done with integer ops because ``x.to(tl.float8e4nv)`` differs from
-    torch under the interpreter (subnormals, overflow) and this path must match on every backend.
+    Round to nearest even; NaN gives 0x7F with the NaN's sign bit. Values that round past 448
+    (|x| > 464, inf included) give +-448 (0x7E / 0xFE) with SATURATE (newer torch, e.g. 2.13) and
+    NaN (0x7F / 0xFF) without (older torch, e.g. 2.11). Done with integer ops because ``x.to(tl.float8e4nv)``
+    differs from torch under the interpreter (subnormals, overflow).
     """
     bits = x.to(tl.int32, bitcast=True)
     sign = tl.where(bits < 0, 0x80, 0)
@@ -21,9 +22,12 @@ def fp32_to_e4m3_bits(x):
     # Normal range: rebias the exponent (127 -> 7) and round the mantissa to 3 bits, ties to even.
     odd = (mag >> 20) & 1
     b_norm = (mag - (120 << 23) + 0x7FFFF + odd) >> 20
-    b_norm = tl.where(b_norm == 0x7F, 0x7E, b_norm)
     # 0x43F00000 is 480.0, the first value that does not round to a finite E4M3 number.
-    b_big = tl.where(mag > 0x7F800000, 0x7F, 0x7E)
+    if SATURATE:
+        b_norm = tl.where(b_norm == 0x7F, 0x7E, b_norm)
+        b_big = tl.where(mag > 0x7F800000, 0x7F, 0x7E)
+    else:
+        b_big = tl.full(mag.shape, 0x7F, tl.int32)
     b_mag = tl.where(mag >= 0x43F00000, b_big, tl.where(mag < (121 << 23), b_sub, b_norm))
     return (b_mag & 0x7F) | sign
 
@@ -46,6 +50,7 @@ def cache_write_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     IS_FP8: tl.constexpr,
+    SATURATE: tl.constexpr,  # FP8 overflow -> +-448 (else NaN), as the installed torch casts
 ):
     # One program per (token, KV head).
     i_t = tl.program_id(0).to(tl.int64)
@@ -64,8 +69,8 @@ def cache_write_kernel(
     b_v = tl.load(v_ptr + i_t * stride_vt + i_h * stride_vh + o_d * stride_vd, mask=m_d, other=0.0)
     if IS_FP8:
         # (x.float() / scale) with a correctly rounded division, as torch computes it.
-        b_k = fp32_to_e4m3_bits(tl.div_rn(b_k.to(tl.float32), k_scale)).to(tl.uint8)
-        b_v = fp32_to_e4m3_bits(tl.div_rn(b_v.to(tl.float32), v_scale)).to(tl.uint8)
+        b_k = fp32_to_e4m3_bits(tl.div_rn(b_k.to(tl.float32), k_scale), SATURATE).to(tl.uint8)
+        b_v = fp32_to_e4m3_bits(tl.div_rn(b_v.to(tl.float32), v_scale), SATURATE).to(tl.uint8)
     else:
         b_k = b_k.to(k_cache_ptr.dtype.element_ty)
         b_v = b_v.to(v_cache_ptr.dtype.element_ty)
