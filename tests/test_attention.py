@@ -20,7 +20,7 @@ def check_route(case, route, **kwargs):
     return assert_close_like_torch(got, ref, low, lse=lse, ref_lse=ref_lse, torch_lse=low_lse, name=route)
 
 
-@pytest.mark.parametrize("route", ROUTES)
+@pytest.mark.parametrize("route", ROUTES + ("reference",))
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_routes_match_reference(route, dtype, kv_cache_dtype):

@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import qsa.plan
 from qsa.cache import random_mapping
 from qsa.plan import (PAD, GroupedPlan, PlanWorkspace, grouped_capacity, physical_order, plan_groups,
                       plan_single_rows, single_row_capacity)
@@ -224,3 +225,25 @@ def test_zero_rows():
     single = plan_single_rows(**kw)
     grouped = plan_groups(single)
     assert single.num_rows == 0 and grouped.num_groups == 0
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_runs_across_chunk_boundaries(shuffle):
+    """Long rows read in several chunks: runs of one microblock straddle chunk boundaries (sorted
+    rows), or the row is out of order and goes through the sorting planner."""
+    width = 1300
+    toks = (torch.arange(width) + 1) // 3  # each token about 3 times; microblock runs of ~12 entries
+    toks[-7:] = -1
+    if shuffle:
+        toks = toks[torch.randperm(width, generator=torch.Generator().manual_seed(0))]
+    indices = torch.stack([toks, toks.flip(0), toks // 2]).to(torch.int32)
+    table = torch.randperm(40, generator=torch.Generator().manual_seed(1)).to(torch.int32)[None, :30]
+    args = (indices, table, torch.zeros(3, dtype=torch.int32), torch.tensor([420, 300, 1000]),
+            torch.tensor([460], dtype=torch.int32))
+    single = plan_single_rows(*args, block_size=16, num_blocks=40)
+    ref = reference_single_row_plan(*args, block_size=16, num_blocks=40)
+    assert compare_plans(single, ref) == []
+    tokens, counts = qsa.plan.token_lists(*args, block_size=16, num_blocks=40)
+    for r in range(3):
+        kept = sorted({t for t in indices[r].tolist() if 0 <= t <= int(args[3][r]) and t < 460})
+        assert counts[r].item() == len(kept) and tokens[r, :len(kept)].tolist() == kept

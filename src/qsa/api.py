@@ -175,11 +175,13 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
     if choice.route == "reference":
         from .reference import reference_attention
 
-        ref_out, ref_lse = reference_attention(q, k_cache, v_cache, *plan.inputs, gate=gate,
-                                               kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
-                                               v_scale=v_scale, softmax_scale=scale,
-                                               compute_dtype=torch.float32)
-        out.copy_(ref_out.to(q.dtype))
+        attn, ref_lse = reference_attention(q, k_cache, v_cache, *plan.inputs, kv_cache_dtype=kv_cache_dtype,
+                                            k_scale=k_scale, v_scale=v_scale, softmax_scale=scale,
+                                            compute_dtype=torch.float32)
+        attn = attn.to(q.dtype)
+        if gate is not None:  # SPEC section 1: round to the activation dtype, then gate in fp32
+            attn = (attn.float() * torch.sigmoid(gate.float())).to(q.dtype)
+        out.copy_(attn)
         if lse is not None:
             lse.copy_(ref_lse.float())
     elif choice.route == "splitk":

@@ -207,8 +207,6 @@ def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *,
     Returns:
         SingleRowPlan on ``indices.device``.
     """
-    from .kernels.plan import single_row_plan_kernel
-
     check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                       num_blocks=num_blocks)
     rows, width = indices.shape
@@ -222,17 +220,8 @@ def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *,
     elif out.num_rows != rows or out.capacity < cap:
         raise ValueError(f"out must hold [{rows}, >= {cap}] entries, got {tuple(out.mb_ids.shape)}")
     out.block_size, out.num_blocks = block_size, num_blocks
-    if rows == 0:
-        return out
-    block_w = max(next_pow2(width), PAD)
-    single_row_plan_kernel[(rows,)](
-        indices, block_table, token_to_req, positions, seq_lens,
-        out.mb_ids, out.masks, out.counts,
-        width, block_table.shape[0], block_table.shape[1], num_blocks,
-        indices.stride(0), block_table.stride(0), out.mb_ids.stride(0), out.masks.stride(0),
-        BLOCK_SIZE=block_size, BLOCK_W=block_w, PAD=PAD, EMIT_TOKENS=False,
-        num_warps=max(1, min(8, block_w // 256)),
-    )
+    _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
+               out.mb_ids, out.masks, out.counts, emit_tokens=False)
     return out
 
 
@@ -288,8 +277,8 @@ def plan_groups(single: SingleRowPlan, *, group_rows: int = 8, num_rows: int | N
         num_rows, num_groups, programs,
         single.mb_ids.stride(0), single.masks.stride(0), out.mb_ids.stride(0), out.masks.stride(0),
         workspace.slots.shape[1] // group_rows,
-        GROUP_ROWS=group_rows, CHUNK=min(512, max(PAD, next_pow2(cap_s))), TABLE=workspace.table, PAD=PAD,
-        num_warps=4,
+        GROUP_ROWS=group_rows, BLOCK_Q=next_pow2(group_rows), CHUNK=min(512, next_pow2(cap_s)),
+        TABLE=workspace.table, PAD=PAD, num_warps=8,
     )
     return out
 
@@ -302,25 +291,43 @@ def token_lists(indices, block_table, token_to_req, positions, seq_lens, *, bloc
         tokens: ``[rows, W]`` int32, entries past the row's count unspecified.
         counts: ``[rows]`` int32.
     """
-    from .kernels.plan import single_row_plan_kernel
-
     check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                       num_blocks=num_blocks)
     rows, width = indices.shape
     tokens = torch.empty((rows, max(width, 1)), dtype=torch.int32, device=indices.device)
     counts = torch.empty((rows,), dtype=torch.int32, device=indices.device)
-    if rows == 0:
-        return tokens, counts
-    block_w = max(next_pow2(width), PAD)
-    single_row_plan_kernel[(rows,)](
-        indices, block_table, token_to_req, positions, seq_lens,
-        tokens, tokens, counts,
-        width, block_table.shape[0], block_table.shape[1], num_blocks,
-        indices.stride(0), block_table.stride(0), tokens.stride(0), tokens.stride(0),
-        BLOCK_SIZE=block_size, BLOCK_W=block_w, PAD=PAD, EMIT_TOKENS=True,
-        num_warps=max(1, min(8, block_w // 256)),
-    )
+    _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
+               tokens, tokens, counts, emit_tokens=True)
     return tokens, counts
+
+
+def _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
+               ids, masks, counts, *, emit_tokens: bool) -> None:
+    """Launch the streaming row planner, then the sorting planner for rows found out of order."""
+    from .kernels.plan import single_row_plan_kernel, single_row_sort_plan_kernel
+    from .utils import device_facts
+
+    rows, width = indices.shape
+    if rows == 0:
+        return
+    device = indices.device
+    unsorted = torch.empty((rows,), dtype=torch.int32, device=device)
+    num_unsorted = torch.zeros((1,), dtype=torch.int32, device=device)
+    chunk = min(512, max(PAD, next_pow2(width)))
+    common = dict(W=width, num_reqs=block_table.shape[0], max_blocks=block_table.shape[1],
+                  num_blocks=num_blocks, stride_idx_row=indices.stride(0), stride_bt_req=block_table.stride(0),
+                  stride_ids_row=ids.stride(0), stride_masks_row=masks.stride(0), BLOCK_SIZE=block_size,
+                  CH=chunk, PAD=PAD, EMIT_TOKENS=emit_tokens)
+    single_row_plan_kernel[(rows,)](
+        indices, block_table, token_to_req, positions, seq_lens, ids, masks, counts, unsorted, num_unsorted,
+        **common, num_warps=4)
+    facts = device_facts(str(device))
+    programs = max(1, min(rows, facts["sm_count"] if facts["kind"] == "cuda" else 2))
+    block_w = max(next_pow2(width), PAD)
+    keys = torch.empty((programs, block_w), dtype=torch.int32, device=device)
+    single_row_sort_plan_kernel[(programs,)](
+        indices, block_table, token_to_req, positions, seq_lens, ids, masks, counts, unsorted, num_unsorted,
+        keys, programs, **common, BLOCK_W=block_w, num_warps=max(4, min(16, block_w // 256)))
 
 
 def physical_order(plan: GroupedPlan) -> GroupedPlan:

@@ -105,7 +105,9 @@ def store_partial(
     HEAD_DIM: tl.constexpr,
 ):
     o_part = (o_row * Hq + o_head) * NUM_SPLITS + i_split
-    tl.store(part_acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], b_acc, mask=m_row[:, None])
+    # A split past the end of the row's list stores only (max, sum) = (-inf, 0); the merge skips it.
+    m_acc = m_row & (b_l > 0)
+    tl.store(part_acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], b_acc, mask=m_acc[:, None])
     tl.store(part_ml_ptr + o_part * 2, b_m, mask=m_row)
     tl.store(part_ml_ptr + o_part * 2 + 1, b_l, mask=m_row)
 

@@ -1,0 +1,39 @@
+"""The adversarial case on the GPU, for ``compute-sanitizer --tool memcheck python tests/gpu_memcheck.py``.
+
+Wild index values (INT32_MIN/MAX, huge, negative), wild block-table entries, padding rows, FP8 and
+fp16 caches, every route and both planners. Exits non-zero if an output is not finite.
+"""
+
+import sys
+
+import torch
+
+import qsa
+from qsa.reference import make_attention_case
+
+
+def main() -> int:
+    g = torch.Generator().manual_seed(0)
+    wild = torch.tensor([-2**31, -5, 2**31 - 1, 2**30, 10**6], dtype=torch.int32)
+    bad = 0
+    for kv_cache_dtype in ("auto", "fp8_e4m3"):
+        case = make_attention_case(rows=77, num_reqs=3, num_q_heads=6, num_kv_heads=1, head_dim=64,
+                                   width=40, kv_cache_dtype=kv_cache_dtype, seed=1, device="cuda")
+        pick = torch.randint(0, 5, case.indices.shape, generator=g)
+        swap = torch.rand(case.indices.shape, generator=g) < 0.3
+        idx = case.indices.cpu()
+        idx[swap] = wild[pick[swap]]
+        case.indices = idx.cuda()
+        case.block_table[:, -1] = torch.tensor([2**31 - 1, -2**31, case.cache.num_blocks],
+                                               dtype=torch.int32, device="cuda")[:case.block_table.shape[0]]
+        for route in ("auto", "grouped", "xqa", "splitk"):
+            out, lse = case.run(qsa.sparse_paged_attention, route=route, return_lse=True)
+            torch.cuda.synchronize()
+            ok = bool(torch.isfinite(out).all())
+            bad += not ok
+            print(f"{kv_cache_dtype:9s} {route:8s} finite={ok}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

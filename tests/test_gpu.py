@@ -1,0 +1,156 @@
+"""GPU tests at real sizes: every route against an fp32 reference, bitwise determinism under page
+relocation and index permutation, and plan + attention replayed from a CUDA graph."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+import qsa
+from qsa.cache import random_mapping, relocate
+from qsa.plan import PlanWorkspace
+from qsa.reference import assert_close_like_torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from benchmarks.baselines import chunked_attention, full_fp32_matmul  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+
+def qsa_case(*, rows, context, num_q_heads=6, num_kv_heads=1, head_dim=256, block_size=16, k=512,
+             dtype=torch.float16, kv_cache_dtype="auto", num_reqs=1, seed=0):
+    """Rows at the end of ``num_reqs`` contexts, each selecting k random 4-blocks plus its causal tail."""
+    dev = "cuda"
+    g = torch.Generator(device=dev).manual_seed(seed)
+    blocks_per_req = -(-context // block_size)
+    num_blocks = num_reqs * blocks_per_req + 8
+    perm = torch.randperm(num_blocks - 1, device=dev, generator=g)[:num_reqs * blocks_per_req] + 1
+    table = perm.view(num_reqs, blocks_per_req).to(torch.int32)
+    shape = (num_blocks, 2, block_size, num_kv_heads, head_dim)
+    if kv_cache_dtype == "fp8_e4m3":
+        kv = (torch.randn(shape, device=dev, generator=g) * 4).to(torch.float8_e4m3fn).view(torch.uint8)
+        kv[0] = 0x7F  # block 0 holds NaN: never read
+    else:
+        kv = torch.randn(shape, device=dev, generator=g).to(dtype)
+        kv[0] = float("nan")
+    token_to_req = torch.arange(rows, device=dev, dtype=torch.int32) % num_reqs
+    positions = (context - rows // num_reqs + torch.arange(rows, device=dev) // num_reqs).to(torch.int64)
+    seq_lens = torch.full((num_reqs,), context, dtype=torch.int32, device=dev)
+    visible = (positions + 1) // 4
+    noise = torch.rand(rows, context // 4, device=dev, generator=g)
+    noise = noise.masked_fill(torch.arange(context // 4, device=dev)[None, :] >= visible[:, None], -1.0)
+    blocks = torch.sort(torch.topk(noise, k, dim=1).indices, dim=1).values
+    toks = (blocks[:, :, None] * 4 + torch.arange(4, device=dev)).reshape(rows, 4 * k)
+    tail = visible[:, None] * 4 + torch.arange(3, device=dev)
+    tail = torch.where(tail <= positions[:, None], tail, -1)
+    indices = torch.cat([toks, tail], dim=1).to(torch.int32)
+    q = torch.randn(rows, num_q_heads, head_dim, device=dev, generator=g).to(dtype)
+    gate = torch.randn(rows, num_q_heads, head_dim, device=dev, generator=g).to(dtype)
+    return dict(q=q, kv=kv, indices=indices, block_table=table, token_to_req=token_to_req,
+                positions=positions, seq_lens=seq_lens, gate=gate, kv_cache_dtype=kv_cache_dtype,
+                k_scale=0.5 if kv_cache_dtype == "fp8_e4m3" else 1.0,
+                v_scale=0.25 if kv_cache_dtype == "fp8_e4m3" else 1.0)
+
+
+def run(c, route, **kw):
+    args = (c["q"], c["kv"][:, 0], c["kv"][:, 1], c["indices"], c["block_table"], c["token_to_req"],
+            c["positions"], c["seq_lens"])
+    return qsa.sparse_paged_attention(*args, kv_cache_dtype=c["kv_cache_dtype"], k_scale=c["k_scale"],
+                                      v_scale=c["v_scale"], route=route, **kw)
+
+
+def check_against_reference(c, route):
+    args = (c["q"], c["kv"][:, 0], c["kv"][:, 1], c["indices"], c["block_table"], c["token_to_req"],
+            c["positions"], c["seq_lens"])
+    kw = dict(kv_cache_dtype=c["kv_cache_dtype"], k_scale=c["k_scale"], v_scale=c["v_scale"])
+    with full_fp32_matmul():
+        ref = chunked_attention(*args, compute_dtype=torch.float32, **kw).double()
+    low = chunked_attention(*args, compute_dtype=c["q"].dtype, **kw)
+    out = torch.full_like(c["q"], float("nan"))
+    run(c, route, out=out)
+    return assert_close_like_torch(out, ref, low, name=route)
+
+
+@pytest.mark.parametrize("route", ["grouped", "xqa", "splitk"])
+def test_prefill_8192_rows_6_1_256(route):
+    c = qsa_case(rows=8192, context=65536)
+    check_against_reference(c, route)
+
+
+@pytest.mark.parametrize("shape", [(12, 1), (24, 2)])
+@pytest.mark.parametrize("route", ["auto", "xqa", "splitk"])
+def test_other_tp_shapes_185_rows(shape, route):
+    c = qsa_case(rows=185, context=16384, num_q_heads=shape[0], num_kv_heads=shape[1], num_reqs=3)
+    check_against_reference(c, route)
+
+
+@pytest.mark.parametrize("dtype,kv", [(torch.bfloat16, "auto"), (torch.float16, "fp8_e4m3"),
+                                      (torch.bfloat16, "fp8_e4m3")])
+def test_dtypes_at_real_size(dtype, kv):
+    c = qsa_case(rows=1024, context=32768, dtype=dtype, kv_cache_dtype=kv, seed=1)
+    for route in ("grouped", "xqa", "splitk"):
+        check_against_reference(c, route)
+
+
+def _relocated(c, mapping, num_blocks_out=None):
+    kv, table = relocate(c["kv"], c["block_table"], mapping.cuda(), num_blocks_out=num_blocks_out, fill="nan")
+    return {**c, "kv": kv, "block_table": table}
+
+
+@pytest.mark.parametrize("route", ["grouped", "xqa", "auto"])
+def test_bitwise_under_relocation_and_permutation(route):
+    c = qsa_case(rows=185 if route == "auto" else 2048, context=65536, num_reqs=2, seed=2)
+    base = run(c, route, gate=c["gate"], return_lse=True)
+    again = run(c, route, gate=c["gate"], return_lse=True)
+    assert torch.equal(base[0], again[0]) and torch.equal(base[1], again[1])
+    g = torch.Generator().manual_seed(0)
+    perm = torch.argsort(torch.rand(c["indices"].shape, generator=g), dim=1).cuda()
+    shuffled = {**c, "indices": torch.gather(c["indices"], 1, perm)}
+    out = run(shuffled, route, gate=c["gate"], return_lse=True)
+    assert torch.equal(base[0], out[0]) and torch.equal(base[1], out[1]), "permuted indices"
+    n = c["kv"].shape[0]
+    for collision in (False, True):
+        mapping = random_mapping(n, generator=g, collision_prone=collision, stride=64 if collision else None)
+        moved = _relocated(c, mapping, int(mapping.max()) + 1)
+        out = run(moved, route, gate=c["gate"], return_lse=True)
+        assert torch.equal(base[0], out[0]) and torch.equal(base[1], out[1]), f"relocation {collision=}"
+
+
+def test_cuda_graph_replay_matches_eager():
+    rows, context = 257, 32768
+    a = qsa_case(rows=rows, context=context, num_reqs=2, seed=3)
+    b = qsa_case(rows=rows, context=context, num_reqs=2, seed=4)
+    mapping = random_mapping(b["kv"].shape[0], generator=torch.Generator().manual_seed(5))
+    b = _relocated(b, mapping)
+    static = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in a.items()}
+    nb, bs = static["kv"].shape[0], static["kv"].shape[2]
+    plan_args = lambda: (static["indices"], static["block_table"], static["token_to_req"],  # noqa: E731
+                         static["positions"], static["seq_lens"])
+    shape = dict(block_size=bs, num_blocks=nb, num_q_heads=6, num_kv_heads=1, head_dim=256)
+    ws = PlanWorkspace.allocate(index_width=static["indices"].shape[1], group_rows=8, programs=64, device="cuda")
+    out = torch.empty_like(static["q"])
+
+    def step(plan):
+        plan = qsa.plan_attention(*plan_args(), **shape, out=plan, workspace=ws)
+        qsa.run_attention(plan, static["q"], static["kv"][:, 0], static["kv"][:, 1], gate=static["gate"],
+                          out=out)
+        return plan
+
+    plan = step(None)  # compile and allocate outside the capture
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(plan)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(plan)
+    for case in (a, b, a):
+        for key in ("q", "kv", "indices", "block_table", "token_to_req", "positions", "seq_lens", "gate"):
+            static[key].copy_(case[key])
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = run(case, "auto", gate=case["gate"])
+        assert torch.equal(out, eager), "graph replay differs from eager"
