@@ -12,9 +12,6 @@ from qsa.cache import random_mapping, relocate
 from qsa.plan import PlanWorkspace
 from qsa.reference import assert_close_like_torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from benchmarks.baselines import chunked_attention, full_fp32_matmul  # noqa: E402
-
 pytestmark = pytest.mark.gpu
 
 
@@ -61,6 +58,9 @@ def run(c, route, **kw):
 
 
 def check_against_reference(c, route):
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from benchmarks.baselines import chunked_attention, full_fp32_matmul
+
     args = (c["q"], c["kv"][:, 0], c["kv"][:, 1], c["indices"], c["block_table"], c["token_to_req"],
             c["positions"], c["seq_lens"])
     kw = dict(kv_cache_dtype=c["kv_cache_dtype"], k_scale=c["k_scale"], v_scale=c["v_scale"])
