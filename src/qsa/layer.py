@@ -1,0 +1,465 @@
+"""The QSA attention layer (SPEC sections 1-2) and the per-step metadata all layers share.
+
+One step of one layer, for ``T`` rows (tokens of any requests; padding rows allowed)::
+
+    q, gate = split(q_proj(x) as [T, Hq, 2D])          packed per head: q = [..., :D], gate = [..., D:]
+    k, v    = k_proj(x), v_proj(x)                     [T, Hkv, D]
+    q, k    = rope(rmsnorm(q)), rope(rmsnorm(k))       per-head RMSNorm (weight + 1), partial NeoX RoPE
+    iq      = rope(rmsnorm(index_q_proj(x)))           [T, 4, 128] index queries
+    ik      = index_k_proj(x)                          [T, 128] raw index keys
+    cache  <- k, v at slot_mapping                     (qsa::write_kv)
+    kc     <- mean of every completed 4-token group of ik, then rmsnorm + rope at 4b
+    idx     = select_tokens(iq, kc, ...)               [T, 4k + 3] (qsa::select_tokens)
+    attn    = sparse_paged_attention(q, cache, idx, gate)   round(attn) * sigmoid(gate)
+    y       = all_reduce(o_proj(attn))
+
+Per step, :class:`StepMetadata` is built once (rows' requests and positions, lengths, block table, slot
+mapping, the route, the attention plan's buffers) and every layer uses it; each layer has its own
+selection, so each layer refills the same plan buffers with ``plan_attention(..., out=, workspace=)``
+before its attention, which keeps a step capturable in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import ops, routes
+from .tp import HeadShard, TPInfo, all_reduce, shard_heads
+
+
+@dataclass(frozen=True)
+class QSAConfig:
+    """Sizes of a QSA layer. The defaults are the reference configuration (SPEC section 1).
+
+    Attributes:
+        hidden_size: model width.
+        num_heads, num_kv_heads, head_dim: full-model attention shape (before tensor parallelism).
+        rotary_dim, rope_theta: partial NeoX RoPE of q and k (first ``rotary_dim`` dims of a head).
+        rms_norm_eps: epsilon of every RMSNorm.
+        index_heads, index_head_dim: index queries ``[T, index_heads, index_head_dim]``, keys
+            ``[T, index_head_dim]``.
+        index_rotary_dim: RoPE width of the index queries and compressed keys.
+        index_topk: blocks of 4 tokens each row selects (the attention width is ``4 * index_topk + 3``).
+        dtype: activation and weight dtype (fp16 or bf16).
+        kv_cache_dtype: ``"auto"`` (the activation dtype) or ``"fp8_e4m3"``.
+        k_scale, v_scale: FP8 cache scales.
+    """
+
+    hidden_size: int = 2560
+    num_heads: int = 24
+    num_kv_heads: int = 2
+    head_dim: int = 256
+    rotary_dim: int = 64
+    rope_theta: float = 10_000_000.0
+    rms_norm_eps: float = 1e-6
+    index_heads: int = 4
+    index_head_dim: int = 128
+    index_rotary_dim: int = 64
+    index_topk: int = 512
+    dtype: torch.dtype = torch.bfloat16
+    kv_cache_dtype: str = "auto"
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        for name, rot, dim in (("rotary_dim", self.rotary_dim, self.head_dim),
+                               ("index_rotary_dim", self.index_rotary_dim, self.index_head_dim)):
+            if rot % 2 or not 0 <= rot <= dim:
+                raise ValueError(f"{name} must be even and in [0, {dim}], got {rot}")
+
+    @property
+    def index_width(self) -> int:
+        """Columns of a row's token selection: ``4 * index_topk + 3``."""
+        return 4 * self.index_topk + 3
+
+
+# ----------------------------------------------------------------------------------------------
+# math pieces (pure PyTorch; fused by torch.compile)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim with a zero-centred weight: ``x / rms(x) * (1 + weight)``, in fp32,
+    returned in ``x``'s dtype."""
+    xf = x.to(_math_dtype(x))
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * (1.0 + weight.to(xf.dtype))
+    return y.to(x.dtype)
+
+
+def _math_dtype(x: torch.Tensor) -> torch.dtype:
+    """fp32 for low-precision inputs, fp64 stays fp64 (the reference)."""
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float):
+    """fp32 ``cos, sin`` ``[T, rotary_dim // 2]`` of NeoX RoPE; negative (padding) positions use 0."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32,
+                                             device=positions.device) / rotary_dim))
+    angles = positions.clamp(min=0).to(torch.float32)[:, None] * inv_freq[None, :]
+    return torch.cos(angles), torch.sin(angles)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Partial NeoX RoPE of ``x`` ``[T, ..., D]``: its first ``2 * cos.shape[-1]`` dims are rotated as
+    two halves, the rest pass through. Math in fp32, result in ``x``'s dtype."""
+    half = cos.shape[-1]
+    if half == 0:
+        return x
+    shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    xf = x.to(_math_dtype(x))
+    c, s = cos.view(shape).to(xf.dtype), sin.view(shape).to(xf.dtype)
+    x1, x2, rest = xf[..., :half], xf[..., half:2 * half], xf[..., 2 * half:]
+    return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s, rest], dim=-1).to(x.dtype)
+
+
+def index_key_transform(norm_weight: torch.Tensor | None, eps: float, rotary_dim: int, theta: float):
+    """The compressed-key transform: RMSNorm (``weight + 1``) then RoPE at position ``4 * block``.
+
+    Returns ``f(kc [T, D] fp32, block_idx [T] int64) -> [T, D] fp32`` for
+    :func:`qsa.indexer.update_compressed_keys`.
+    """
+    def transform(kc: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:
+        y = rms_norm(kc, norm_weight, eps)
+        if rotary_dim:
+            cos, sin = rope_cos_sin(4 * block_idx, rotary_dim, theta)
+            y = apply_rope(y, cos, sin)
+        return y
+
+    return transform
+
+
+# ----------------------------------------------------------------------------------------------
+# per-step metadata and per-layer caches
+
+
+@dataclass
+class StepMetadata:
+    """What every layer of one step shares; built once per step (:meth:`build`).
+
+    Rows are this step's tokens (chunked prefill and decode mixed; padding rows allowed). Requests
+    are the rows of ``block_table`` (fixed request slots, so compressed-key partial groups persist).
+
+    Attributes:
+        token_to_req: ``[T]`` int32 request slot of each row (-1: padding row).
+        positions: ``[T]`` int64 logical position of each row (-1: padding row).
+        seq_lens: ``[num_reqs]`` int32 tokens of each request including this step's.
+        block_table: ``[num_reqs, max_blocks]`` int32 logical -> physical block (-1: none).
+        slot_mapping: ``[T]`` int64 cache slot of each row's new K/V (-1: not written).
+        block_size: tokens per KV block.
+        route: attention route for this step ("auto", "grouped", "xqa", "splitk", "reference").
+        plan_order: "logical" (the contract) or "physical" (the demonstration of why it matters).
+        plan: the attention plan buffers, created by the first layer and refilled by the others.
+        workspace: the grouped planner's scratch, reused by every layer (CUDA-graph safe).
+        attn_out: ``[T, Hq, D]`` attention output buffer shared by the layers.
+    """
+
+    token_to_req: torch.Tensor
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    block_table: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_size: int
+    route: str = "auto"
+    plan_order: str = "logical"
+    plan: object = field(default=None, repr=False)
+    workspace: object = field(default=None, repr=False)
+    attn_out: torch.Tensor | None = field(default=None, repr=False)
+
+    TENSORS = ("token_to_req", "positions", "seq_lens", "block_table", "slot_mapping")
+
+    @classmethod
+    def build(cls, token_to_req, positions, seq_lens, block_table, slot_mapping, *, block_size: int,
+              device, route: str = "auto", plan_order: str = "logical") -> "StepMetadata":
+        """From host lists or tensors; one copy to ``device`` per field."""
+        def as_tensor(x, dtype):
+            t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=dtype)
+            return t.to(device=device, dtype=dtype, copy=True)
+
+        if route not in routes.ROUTES:
+            raise ValueError(f"route must be one of {routes.ROUTES}, got {route!r}")
+        if plan_order not in ("logical", "physical"):
+            raise ValueError(f"plan_order must be 'logical' or 'physical', got {plan_order!r}")
+        return cls(as_tensor(token_to_req, torch.int32), as_tensor(positions, torch.int64),
+                   as_tensor(seq_lens, torch.int32), as_tensor(block_table, torch.int32),
+                   as_tensor(slot_mapping, torch.int64), int(block_size), route, plan_order)
+
+    @property
+    def num_rows(self) -> int:
+        return self.token_to_req.shape[0]
+
+    @property
+    def device(self) -> torch.device:
+        return self.positions.device
+
+    def copy_(self, other: "StepMetadata") -> None:
+        """Refill this step's tensors in place from ``other`` of the same shapes (CUDA-graph replay)."""
+        for name in self.TENSORS:
+            getattr(self, name).copy_(getattr(other, name))
+
+
+@dataclass
+class LayerCache:
+    """One layer's caches (per rank).
+
+    Attributes:
+        kv: ``[num_blocks, 2, block_size, Hkv_local, D]`` interleaved K/V cache.
+        kc: ``[num_blocks, block_size // 4, index_head_dim]`` compressed index keys.
+        partial: ``[num_reqs, 3, index_head_dim]`` fp32 raw keys of each request's open group.
+    """
+
+    kv: torch.Tensor
+    kc: torch.Tensor
+    partial: torch.Tensor
+
+    @property
+    def k(self) -> torch.Tensor:
+        return self.kv[:, 0]
+
+    @property
+    def v(self) -> torch.Tensor:
+        return self.kv[:, 1]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.shape[0]
+
+    @property
+    def block_size(self) -> int:
+        return self.kv.shape[2]
+
+
+# ----------------------------------------------------------------------------------------------
+# the layer
+
+
+def _init(gen: torch.Generator, shape, std: float) -> torch.Tensor:
+    return torch.randn(shape, generator=gen, dtype=torch.float32) * std
+
+
+class QSAAttention(nn.Module):
+    """The QSA attention layer: projections, norms, RoPE, selection, sparse paged attention, gate,
+    o_proj (and the all-reduce under tensor parallelism).
+
+    Weights are random from ``seed`` (the full-model weights are drawn, then this rank's shard is
+    kept, so every TP degree computes the same function).
+
+    Args:
+        config: sizes (defaults: the reference configuration).
+        tp: tensor-parallel position (default: TP1).
+        seed: weight seed.
+        device: where the weights live.
+
+    Example:
+        >>> layer = QSAAttention(QSAConfig(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
+        ...                                index_topk=16), device="cuda")
+        >>> cache = layer.allocate_cache(num_blocks=64, block_size=16, num_reqs=4)
+        >>> y = layer(x, meta, cache)        # x [T, hidden], meta: StepMetadata
+    """
+
+    def __init__(self, config: QSAConfig = QSAConfig(), *, tp: TPInfo | None = None, seed: int = 0,
+                 device="cpu"):
+        super().__init__()
+        self.config = c = config
+        self.tp = tp or TPInfo()
+        self.shard: HeadShard = shard_heads(c.num_heads, c.num_kv_heads, self.tp)
+        sh, D, H = self.shard, c.head_dim, c.hidden_size
+        gen = torch.Generator().manual_seed(seed)
+        w_std = H ** -0.5
+        qg = _init(gen, (c.num_heads, 2 * D, H), w_std)
+        k = _init(gen, (c.num_kv_heads, D, H), w_std)
+        v = _init(gen, (c.num_kv_heads, D, H), w_std)
+        o = _init(gen, (H, c.num_heads, D), (c.num_heads * D) ** -0.5)
+        norms = {name: _init(gen, (dim,), 0.1) for name, dim in
+                 (("q_norm", D), ("k_norm", D), ("index_q_norm", c.index_head_dim),
+                  ("index_k_norm", c.index_head_dim))}
+        iq = _init(gen, (c.index_heads * c.index_head_dim, H), w_std)
+        ik = _init(gen, (c.index_head_dim, H), w_std)
+
+        q_sl = slice(sh.q_start, sh.q_start + sh.num_q_heads)
+        kv_sl = slice(sh.kv_start, sh.kv_start + sh.num_kv_heads)
+        params = dict(
+            qg_proj=qg[q_sl].reshape(-1, H), k_proj=k[kv_sl].reshape(-1, H), v_proj=v[kv_sl].reshape(-1, H),
+            o_proj=o[:, q_sl].reshape(H, -1), index_q_proj=iq, index_k_proj=ik, **norms)
+        for name, w in params.items():
+            self.register_parameter(name, nn.Parameter(w.to(device=device, dtype=c.dtype).contiguous(),
+                                                       requires_grad=False))
+
+    @property
+    def num_q_heads(self) -> int:
+        """Query heads on this rank."""
+        return self.shard.num_q_heads
+
+    @property
+    def num_kv_heads(self) -> int:
+        """KV heads on this rank."""
+        return self.shard.num_kv_heads
+
+    def allocate_cache(self, num_blocks: int, block_size: int, num_reqs: int, *, fill: str | None = "nan",
+                       device=None) -> LayerCache:
+        """This layer's caches; ``fill="nan"`` poisons every slot (NaN, or byte 0x7F for FP8) so a read
+        of an unwritten slot shows in the output."""
+        c = self.config
+        device = device if device is not None else self.qg_proj.device
+        if block_size % 4:
+            raise ValueError(f"block_size must be a multiple of 4, got {block_size}")
+        fp8 = c.kv_cache_dtype == "fp8_e4m3"
+        kv = torch.empty((num_blocks, 2, block_size, self.num_kv_heads, c.head_dim),
+                         dtype=torch.uint8 if fp8 else c.dtype, device=device)
+        kc = torch.empty((num_blocks, block_size // 4, c.index_head_dim), dtype=c.dtype, device=device)
+        if fill == "nan":
+            kv.fill_(0x7F if fp8 else float("nan"))
+            kc.fill_(float("nan"))
+        elif fill is not None:
+            kv.zero_()
+            kc.zero_()
+        partial = torch.zeros((num_reqs, 3, c.index_head_dim), dtype=torch.float32, device=device)
+        return LayerCache(kv, kc, partial)
+
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """Projections, norms and RoPE of ``x`` ``[T, hidden]``.
+
+        Returns ``q, gate`` ``[T, Hq, D]``, ``k, v`` ``[T, Hkv, D]`` (this rank's heads), ``iq``
+        ``[T, index_heads, index_head_dim]`` and the raw index keys ``ik`` ``[T, index_head_dim]``.
+        """
+        c = self.config
+        T, D = x.shape[0], c.head_dim
+        qg = F.linear(x, self.qg_proj).view(T, self.num_q_heads, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:]
+        k = F.linear(x, self.k_proj).view(T, self.num_kv_heads, D)
+        v = F.linear(x, self.v_proj).view(T, self.num_kv_heads, D)
+        cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta)
+        q = apply_rope(rms_norm(q, self.q_norm, c.rms_norm_eps), cos, sin)
+        k = apply_rope(rms_norm(k, self.k_norm, c.rms_norm_eps), cos, sin)
+        iq = F.linear(x, self.index_q_proj).view(T, c.index_heads, c.index_head_dim)
+        icos, isin = rope_cos_sin(positions, c.index_rotary_dim, c.rope_theta)
+        iq = apply_rope(rms_norm(iq, self.index_q_norm, c.rms_norm_eps), icos, isin)
+        ik = F.linear(x, self.index_k_proj)
+        return q, gate, k, v, iq, ik
+
+    def forward(self, x: torch.Tensor, meta: StepMetadata, cache: LayerCache,
+                capture: dict | None = None) -> torch.Tensor:
+        """One step of the layer for ``x`` ``[T, hidden]``; returns ``[T, hidden]`` (all-reduced).
+
+        ``capture``, when given, receives this step's intermediate tensors (``q``, ``gate``, ``k``,
+        ``v``, ``iq``, ``ik``, ``indices``, ``attn``) for tests and ``qsa verify``.
+        """
+        c = self.config
+        backend = ops.kernel_backend(meta.route, x.device)
+        q, gate, k, v, iq, ik = self.project(x, meta.positions)
+        ops.write_kv(cache.kv, k, v, meta.slot_mapping, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
+                     v_scale=c.v_scale, backend=backend)
+        ops.update_compressed_keys(ik, meta.token_to_req, meta.positions, cache.kc, meta.block_table,
+                                   cache.partial, norm_weight=self.index_k_norm, eps=c.rms_norm_eps,
+                                   rotary_dim=c.index_rotary_dim, rope_theta=c.rope_theta, backend=backend)
+        indices = ops.select_tokens(iq, cache.kc, meta.block_table, meta.token_to_req, meta.positions,
+                                    meta.seq_lens, k=c.index_topk, backend=backend)
+        attn = self.attention(q, gate, indices, meta, cache)
+        y = F.linear(attn.reshape(x.shape[0], -1), self.o_proj)
+        if capture is not None:
+            capture.update(q=q, gate=gate, k=k, v=v, iq=iq, ik=ik, indices=indices, attn=attn)
+        return all_reduce(y, self.tp)
+
+    def attention(self, q, gate, indices, meta: StepMetadata, cache: LayerCache) -> torch.Tensor:
+        """Gated sparse paged attention of this step's rows.
+
+        Eagerly (and under CUDA-graph capture) the step's plan buffers are refilled for this layer's
+        selection and reused; under ``torch.compile`` the functional custom op plans internally.
+        """
+        c = self.config
+        kw = dict(kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale, v_scale=c.v_scale)
+        if torch.compiler.is_compiling() or meta.route == "reference":
+            return ops.sparse_paged_attention(q, cache.k, cache.v, indices, meta.block_table,
+                                              meta.token_to_req, meta.positions, meta.seq_lens, gate=gate,
+                                              route=meta.route, **kw)
+        from .api import plan_attention, run_attention
+
+        meta.plan = plan_attention(indices, meta.block_table, meta.token_to_req, meta.positions, meta.seq_lens,
+                                   block_size=cache.block_size, num_blocks=cache.num_blocks,
+                                   num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
+                                   head_dim=c.head_dim, route=meta.route, out=meta.plan,
+                                   workspace=self._workspace(meta, indices), order=meta.plan_order)
+        if meta.attn_out is None or meta.attn_out.shape != q.shape or meta.attn_out.dtype != q.dtype:
+            meta.attn_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        return run_attention(meta.plan, q, cache.k, cache.v, gate=gate, out=meta.attn_out, **kw)
+
+    def _workspace(self, meta: StepMetadata, indices: torch.Tensor):
+        """The step's grouped-planner scratch, allocated on first use (None when no rows are grouped)."""
+        if meta.workspace is None:
+            from .plan import PlanWorkspace, planner_programs, single_row_capacity
+
+            choice = routes.choose(meta.route, rows=meta.num_rows, G=self.num_q_heads // self.num_kv_heads,
+                                   head_dim=self.config.head_dim, device=indices.device)
+            if choice.route == "grouped" or choice.grouped_rows:
+                groups = -(-choice.grouped_rows // choice.group_rows)
+                meta.workspace = PlanWorkspace.allocate(
+                    index_width=single_row_capacity(indices.shape[1]), group_rows=choice.group_rows,
+                    programs=planner_programs(max(groups, 1), indices.device), device=indices.device)
+        return meta.workspace
+
+
+# ----------------------------------------------------------------------------------------------
+# reference
+
+
+def layer_reference(layer: QSAAttention, x: torch.Tensor, req_lens: list[int], indices: torch.Tensor, *,
+                    compute_dtype=torch.float64) -> torch.Tensor:
+    """The layer over whole sequences in plain PyTorch, given each row's selection.
+
+    Args:
+        layer: the layer whose weights are used (this rank's shard, no all-reduce).
+        x: ``[sum(req_lens), hidden]`` inputs of every token of every request, request after request,
+            positions ``0 .. len - 1``.
+        req_lens: tokens of each request.
+        indices: ``[sum(req_lens), W]`` the tokens each row attends (as the layer selected them).
+        compute_dtype: float64 for ground truth, or the activation dtype for "what plain PyTorch gets".
+
+    Returns:
+        ``[sum(req_lens), hidden]`` in ``compute_dtype`` (this rank's partial o_proj product).
+    """
+    c = layer.config
+    D, hq, hkv = c.head_dim, layer.num_q_heads, layer.num_kv_heads
+    G = hq // hkv
+    W = {n: p.detach().to(device=x.device, dtype=compute_dtype) for n, p in layer.named_parameters()}
+    xs = x.to(compute_dtype)
+    out = torch.zeros(x.shape[0], c.hidden_size, dtype=compute_dtype, device=x.device)
+    start = 0
+    for L in req_lens:
+        xr = xs[start:start + L]
+        pos = torch.arange(L, device=x.device)
+        qg = (xr @ W["qg_proj"].T).view(L, hq, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:]
+        k = (xr @ W["k_proj"].T).view(L, hkv, D)
+        v = (xr @ W["v_proj"].T).view(L, hkv, D)
+        cos, sin = rope_cos_sin(pos, c.rotary_dim, c.rope_theta)
+        q = apply_rope(rms_norm(q, W["q_norm"], c.rms_norm_eps), cos, sin)
+        k = apply_rope(rms_norm(k, W["k_norm"], c.rms_norm_eps), cos, sin)
+        for i in range(L):
+            toks = sorted({t for t in indices[start + i].tolist() if 0 <= t <= i})
+            if not toks:
+                continue
+            kk = k[toks].permute(1, 0, 2)  # [Hkv, n, D]
+            vv = v[toks].permute(1, 0, 2)
+            s = torch.matmul(q[i].view(hkv, G, D), kk.transpose(1, 2)) * D ** -0.5
+            a = torch.matmul(torch.softmax(s.float() if compute_dtype != torch.float64 else s, -1)
+                             .to(compute_dtype), vv).reshape(hq, D)
+            if compute_dtype == torch.float64:
+                a = a * torch.sigmoid(gate[i])
+            else:
+                a = (a.float() * torch.sigmoid(gate[i].float())).to(compute_dtype)
+            out[start + i] = a.reshape(-1) @ W["o_proj"].T
+        start += L
+    return out
+
+
+__all__ = [
+    "LayerCache", "QSAAttention", "QSAConfig", "StepMetadata", "apply_rope", "index_key_transform",
+    "layer_reference", "rms_norm", "rope_cos_sin",
+]

@@ -1,0 +1,263 @@
+"""The QSA layer: projections, norms, RoPE, selection, cache writes, gated sparse attention, o_proj.
+
+Tiny shapes on the CPU (the Triton kernels under the interpreter); the layer is driven over chunked
+prefill and decode steps by :func:`qsa.serving.run_layer` and checked against an fp64 whole-sequence
+reference, the loop reference of the selection, and itself on other page placements.
+"""
+
+import copy
+from dataclasses import replace
+
+import pytest
+import torch
+
+from qsa import indexer_reference as iref
+from qsa.layer import (QSAAttention, QSAConfig, StepMetadata, apply_rope, index_key_transform, layer_reference,
+                       rms_norm, rope_cos_sin)
+from qsa.reference import rounding_floor
+from qsa.serving import run_layer
+from qsa.tp import TPInfo, shard_heads
+
+TINY = QSAConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=8, index_heads=4,
+                 index_head_dim=16, index_rotary_dim=8, index_topk=4, rope_theta=10000.0)
+LENS = (37, 22)
+RUN = dict(chunk_size=13, decode_tokens=3, block_size=8, pad_rows=2)
+
+
+def inputs(seed=0, lens=LENS, hidden=TINY.hidden_size, dtype=torch.bfloat16, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(L, hidden, generator=g).to(dtype).to(device) for L in lens]
+
+
+def check_against_reference(layer, xs, out, indices, *, name="layer"):
+    """``|out - fp64| <= 2 * |PyTorch bf16 - fp64| + floor`` (max norms), given the selection."""
+    x = torch.cat(xs)
+    lens = [t.shape[0] for t in xs]
+    ref = layer_reference(layer, x, lens, indices)
+    low = layer_reference(layer, x, lens, indices, compute_dtype=x.dtype)
+    err = float((out.double() - ref).abs().max())
+    torch_err = float((low.double() - ref).abs().max())
+    bound = 2 * torch_err + rounding_floor(ref, out.dtype)
+    assert err <= bound, f"{name}: max abs error {err:.3e} > bound {bound:.3e} (torch {torch_err:.3e})"
+    return err, bound
+
+
+def gather_indices(steps, total_rows):
+    """Each output row's selection, from the steps' captures."""
+    width = steps[0]["indices"].shape[1]
+    idx = torch.full((total_rows, width), -1, dtype=torch.int32)
+    for s in steps:
+        idx[s["rows"]] = s["indices"][:len(s["rows"])].cpu()
+    return idx
+
+
+# ---------------------------------------------------------------------------------------------
+# pieces
+
+
+def test_default_config_is_the_reference_shape():
+    c = QSAConfig()
+    assert (c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, c.rotary_dim) == (2560, 24, 2, 256, 64)
+    assert (c.index_heads, c.index_head_dim, c.index_topk, c.index_width) == (4, 128, 512, 2051)
+    with pytest.raises(ValueError, match="multiple"):
+        QSAConfig(num_heads=5, num_kv_heads=2)
+    with pytest.raises(ValueError, match="rotary_dim"):
+        QSAConfig(rotary_dim=7)
+
+
+@pytest.mark.parametrize("tp,want", [(1, [(0, 24, 0, 2)]),
+                                     (2, [(0, 12, 0, 1), (12, 12, 1, 1)]),
+                                     (4, [(0, 6, 0, 1), (6, 6, 0, 1), (12, 6, 1, 1), (18, 6, 1, 1)])])
+def test_shard_heads(tp, want):
+    got = [shard_heads(24, 2, TPInfo(r, tp)) for r in range(tp)]
+    assert [(s.q_start, s.num_q_heads, s.kv_start, s.num_kv_heads) for s in got] == want
+    for s in got:  # the local grouping maps query head h to global KV head h // 12, as in the full model
+        g_local = s.num_q_heads // s.num_kv_heads
+        assert all(h // 12 == s.kv_start + (h - s.q_start) // g_local
+                   for h in range(s.q_start, s.q_start + s.num_q_heads))
+    with pytest.raises(ValueError):
+        shard_heads(24, 2, TPInfo(0, 5))
+    with pytest.raises(ValueError):
+        shard_heads(24, 3, TPInfo(0, 2))
+
+
+def test_rms_norm_and_rope():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 3, 16, generator=g, dtype=torch.float64)
+    w = torch.randn(16, generator=g, dtype=torch.float64) * 0.1
+    y = rms_norm(x, w, 1e-6)
+    want = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * (1 + w)
+    assert torch.allclose(y, want, rtol=1e-12, atol=0)
+    pos = torch.tensor([0, 1, 7, 100, -1])
+    cos, sin = rope_cos_sin(pos, 8, 10000.0)
+    r = apply_rope(x, cos, sin)
+    assert torch.equal(r[..., 8:], x[..., 8:])  # partial: dims past rotary_dim pass through
+    assert torch.equal(r[0], x[0]) and torch.equal(r[4], x[4])  # position 0 (and padding -> 0)
+    # NeoX pairs (i, i + 4): a rotation by pos * theta**(-2i/8)
+    ang = 7 * 10000.0 ** (-torch.arange(4, dtype=torch.float64) * 2 / 8)
+    a, b = x[2, :, :4], x[2, :, 4:8]
+    assert torch.allclose(r[2, :, :4], a * torch.cos(ang) - b * torch.sin(ang), atol=1e-6)
+    assert torch.allclose(r[2, :, 4:8], b * torch.cos(ang) + a * torch.sin(ang), atol=1e-6)
+    # rotations preserve the norm of each pair and compose: rope(p) . rope(p') depends on p - p'
+    t = index_key_transform(None, 1e-6, 8, 10000.0)(x[:, 0].float(), torch.tensor([0, 1, 2, 3, 4]))
+    assert torch.allclose(t.norm(dim=-1), rms_norm(x[:, 0].float(), None, 1e-6).norm(dim=-1), rtol=1e-5)
+
+
+def test_weights_shard_consistently():
+    """TP2 shards are slices of the TP1 weights (same seed, same function)."""
+    full = QSAAttention(TINY, seed=3)
+    parts = [QSAAttention(TINY, tp=TPInfo(r, 2), seed=3) for r in range(2)]
+    D, H = TINY.head_dim, TINY.hidden_size
+    assert torch.equal(torch.cat([p.qg_proj for p in parts]), full.qg_proj)
+    assert torch.equal(torch.cat([p.k_proj for p in parts]), full.k_proj)
+    assert torch.equal(torch.cat([p.o_proj for p in parts], dim=1), full.o_proj)
+    for p in parts:
+        assert torch.equal(p.index_q_proj, full.index_q_proj) and torch.equal(p.index_k_norm, full.index_k_norm)
+        assert p.qg_proj.shape == (2 * 2 * D, H) and p.o_proj.shape == (H, 2 * D)
+
+
+# ---------------------------------------------------------------------------------------------
+# the whole layer
+
+
+@pytest.mark.parametrize("route", ["reference", "auto", "grouped"])
+def test_layer_matches_references(route):
+    """Chunked prefill + decode (with padding rows) against: the fp64 layer given the selection, the
+    loop reference of the selection on the layer's own index queries and keys, the reference
+    compressed keys. Caches start as NaN, so a read of an unwritten slot would show."""
+    layer = QSAAttention(TINY, seed=1)
+    xs = inputs(seed=2)
+    out, steps, cache = run_layer(layer, xs, **RUN, route=route, capture=True, allocator_seed=5)
+    assert torch.isfinite(out).all()
+    for s in steps:
+        m = s["meta"]
+        assert torch.equal(s["y"][len(s["rows"]):], torch.zeros_like(s["y"][len(s["rows"]):]))  # padding rows
+        want = iref.select_tokens_reference(s["iq"], s["kc"], m.block_table, m.token_to_req, m.positions,
+                                            m.seq_lens, k=TINY.index_topk)
+        assert torch.equal(s["indices"].cpu(), want), "selection differs from the loop reference"
+    # compressed keys: mean of each group of 4 raw keys, RMSNorm, RoPE at 4b
+    ik = torch.cat([s["ik"][:len(s["rows"])] for s in steps])
+    rows = torch.cat([torch.tensor(s["rows"]) for s in steps])
+    ik_by_row = torch.empty_like(ik)
+    ik_by_row[rows] = ik
+    transform = index_key_transform(layer.index_k_norm, TINY.rms_norm_eps, TINY.index_rotary_dim, TINY.rope_theta)
+    table = steps[-1]["meta"].block_table
+    start = 0
+    for r, L in enumerate(LENS):
+        want = iref.compressed_keys_reference(ik_by_row[start:start + L], transform).to(cache.kc.dtype)
+        got = torch.stack([cache.kc[int(table[r, b // 2]), b % 2] for b in range(L // 4)])
+        assert torch.equal(got, want)
+        start += L
+    idx = gather_indices(steps, sum(LENS))
+    assert ((idx >= 0).sum(1) < torch.cat([torch.arange(L) + 1 for L in LENS])).any()  # sparse rows
+    check_against_reference(layer, xs, out, idx, name=route)
+
+
+@pytest.mark.parametrize("variant", ["no rope", "plain norm weight", "no gate", "k as v"])
+def test_reference_check_rejects_wrong_layers(variant):
+    """The tolerance check above fails for layers that get one piece wrong."""
+    layer = QSAAttention(TINY, seed=1)
+    xs = inputs(seed=2)
+    out, steps, _ = run_layer(layer, xs, **RUN, route="reference", capture=True)
+    idx = gather_indices(steps, sum(LENS))
+    wrong = copy.deepcopy(layer)
+    with torch.no_grad():
+        if variant == "no rope":
+            wrong.config = replace(TINY, rotary_dim=0)
+        elif variant == "plain norm weight":
+            wrong.q_norm -= 1
+        elif variant == "no gate":  # gate rows of each head's packed projection zeroed: sigmoid(0) = 1/2
+            wrong.qg_proj.view(TINY.num_heads, 2, TINY.head_dim, TINY.hidden_size)[:, 1] = 0
+        else:
+            wrong.v_proj.copy_(layer.k_proj)
+    # the wrong reference and the real layer disagree beyond the bound
+    with pytest.raises(AssertionError, match="max abs error"):
+        check_against_reference(wrong, xs, out, idx, name=variant)
+
+
+@pytest.mark.parametrize("route", ["reference", "auto"])
+def test_layer_bitwise_across_page_placements(route):
+    layer = QSAAttention(TINY, seed=4)
+    xs = inputs(seed=5)
+    outs = [run_layer(layer, xs, **RUN, route=route, allocator_seed=s, num_blocks=40)[0] for s in (11, 12)]
+    assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
+
+
+def test_plan_buffers_shared_across_layers():
+    """Two layers in one step: the second refills the first's plan buffers and workspace and gets the
+    same bits as with fresh ones."""
+    a, b = QSAAttention(TINY, seed=6), QSAAttention(TINY, seed=7)
+    xs = inputs(seed=8, lens=(24,))
+    ca = a.allocate_cache(8, 8, 1)
+    cb = b.allocate_cache(8, 8, 1)
+    cb_alone = b.allocate_cache(8, 8, 1)
+    table = torch.tensor([[3, 1, 6]], dtype=torch.int32)
+    slots = torch.cat([torch.arange(8) + 8 * p for p in (3, 1, 6)])
+    build = dict(block_size=8, device="cpu", route="grouped")
+    meta = StepMetadata.build([0] * 24, list(range(24)), [24], table, slots, **build)
+    a(xs[0], meta, ca)
+    plan, ws, buf = meta.plan, meta.workspace, meta.attn_out
+    assert plan is not None and ws is not None
+    ptrs = (plan.single.mb_ids.data_ptr(), plan.grouped.mb_ids.data_ptr(), ws.table_ids.data_ptr())
+    y_shared = b(xs[0], meta, cb)
+    assert (meta.plan.single.mb_ids.data_ptr(), meta.plan.grouped.mb_ids.data_ptr(),
+            meta.workspace.table_ids.data_ptr()) == ptrs
+    assert meta.attn_out is buf
+    fresh = StepMetadata.build([0] * 24, list(range(24)), [24], table, slots, **build)
+    y_alone = b(xs[0], fresh, cb_alone)
+    assert torch.equal(y_shared, y_alone)
+
+
+def test_layer_under_torch_compile_aot_eager():
+    """Dynamo traces the layer through the custom ops (fake implementations, mutation of the caches)
+    with a full graph; the result is bitwise the eager one."""
+    layer = QSAAttention(TINY, seed=9)
+    xs = inputs(seed=10)
+    eager, _, _ = run_layer(layer, xs, **RUN, route="reference")
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    got, _, _ = run_layer(compiled, xs, **RUN, route="reference")
+    assert torch.equal(got, eager)
+
+
+def test_layer_under_torch_compile_inductor():
+    """One step through inductor on the CPU: the same selection and an output within the reference
+    bound (inductor fuses the norms and RoPE, so rounding may differ)."""
+    layer = QSAAttention(TINY, seed=9)
+    xs = inputs(seed=10, lens=(24,))
+    eager, steps, _ = run_layer(layer, xs, chunk_size=24, block_size=8, route="reference", capture=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, dynamic=False)
+    got, _, _ = run_layer(compiled, xs, chunk_size=24, block_size=8, route="reference")
+    check_against_reference(layer, xs, got, gather_indices(steps, 24), name="inductor")
+    assert float((got.float() - eager.float()).abs().max()) <= 4 * rounding_floor(eager.float(), torch.bfloat16)
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU
+
+
+@pytest.mark.gpu
+def test_gpu_layer_reference_shape_compile_and_cuda_graph():
+    """The reference configuration on the GPU: eager vs torch.compile(mode="reduce-overhead") (CUDA
+    graphs) over decode steps: same selection, close outputs; and the compiled layer is bitwise
+    reproducible across page placements."""
+    layer = QSAAttention(QSAConfig(), seed=0, device="cuda")
+    xs = inputs(seed=1, lens=(3000, 2400), hidden=2560, device="cuda")
+    run = dict(chunk_size=1024, decode_tokens=6, block_size=64, route="auto")
+    eager, esteps, _ = run_layer(layer, xs, **run, capture=True, allocator_seed=1)
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, mode="reduce-overhead", dynamic=False)
+    outs = [run_layer(compiled, xs, **run, allocator_seed=s)[0] for s in (1, 2)]
+    assert torch.equal(outs[0], outs[1])
+    assert torch.isfinite(outs[0]).all()
+    err = float((outs[0].float() - eager.float()).abs().max())
+    assert err <= 8 * rounding_floor(eager.float(), torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_gpu_layer_matches_reference():
+    layer = QSAAttention(QSAConfig(index_topk=64), seed=0, device="cuda")
+    xs = inputs(seed=1, lens=(700, 333), hidden=2560, device="cuda")
+    out, steps, _ = run_layer(layer, xs, chunk_size=512, decode_tokens=3, block_size=16, route="auto", capture=True)
+    check_against_reference(layer, [x.cpu() for x in xs], out.cpu(), gather_indices(steps, 1033), name="gpu")

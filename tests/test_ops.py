@@ -1,0 +1,249 @@
+"""Custom ops (torch.library) and the PyTorch implementations of selection and cache writes.
+
+The PyTorch paths are checked exactly against the loop references and against the Triton kernels
+(interpreter on the CPU); the ops pass ``torch.library.opcheck`` and run under ``torch.compile``.
+"""
+
+import pytest
+import torch
+
+from conftest import HAS_CUDA
+from qsa import indexer_reference as iref
+from qsa import ops
+from qsa.cache import allocate_kv_cache, quantize_e4m3
+from qsa.layer import index_key_transform
+
+NAN = float("nan")
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def selection_case(*, seed=0, D=32, H=4, block_size=8, integer=True, dtype=torch.float32, device="cpu"):
+    """Compressed keys in a shuffled paged layout with an aliased page, an invalid (-1) and an
+    out-of-range table entry, rows of several requests, and padding rows."""
+    g = _gen(seed)
+    seq_lens = [70, 45, 9]
+    num_reqs, max_blocks, rpb = 3, 5, block_size // 4
+    num_blocks = num_reqs * max_blocks + 2
+    if integer:  # small integers: exact dot products, many ties
+        kc = torch.randint(-3, 4, (num_blocks, rpb, D), generator=g).to(dtype)
+        kc[..., 0] = -0.0
+    else:
+        kc = torch.randn(num_blocks, rpb, D, generator=g).to(dtype)
+    bt = torch.randperm(num_blocks, generator=g)[:num_reqs * max_blocks].view(num_reqs, max_blocks)
+    bt = bt.to(torch.int32)
+    bt[1, 0] = bt[0, 0]
+    bt[0, 3] = -1
+    bt[1, 2] = num_blocks + 7
+    picks = [(0, 69), (0, 68), (1, 44), (0, 30), (2, 8), (1, 20), (0, 3), (-1, 5), (2, -1), (0, 67), (7, 2)]
+    req = torch.tensor([r for r, _ in picks], dtype=torch.int32)
+    pos = torch.tensor([p for _, p in picks], dtype=torch.int64)
+    if integer:
+        q = torch.randint(-2, 3, (len(picks), H, D), generator=g).to(dtype)
+    else:
+        q = torch.randn(len(picks), H, D, generator=g).to(dtype)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    return tuple(t.to(device) for t in (q, kc, bt, req, pos, seq))
+
+
+@pytest.mark.parametrize("k", [1, 3, 8, 40])
+@pytest.mark.parametrize("integer", [True, False])
+def test_select_tokens_torch_matches_loop_reference(k, integer):
+    args = selection_case(seed=k, integer=integer)
+    got = ops.select_tokens_torch(*args, k=k)
+    want = iref.select_tokens_reference(*args, k=k)
+    assert got.dtype == torch.int32 and got.shape == (args[0].shape[0], 4 * k + 3)
+    assert torch.equal(got, want)
+    assert (got[7] == -1).all() and (got[8] == -1).all() and (got[10] == -1).all()  # padding rows
+
+
+def test_select_tokens_torch_ties_nan_and_signed_zero():
+    """Scores tied everywhere (zero queries), one NaN block: ties go to the lower block index, NaN ranks
+    below every number, -0.0 equals +0.0."""
+    q, kc, bt, req, pos, seq = selection_case(seed=1)
+    q = torch.zeros_like(q)
+    q[0, 0, 1] = -0.0
+    kc = kc.clone()
+    kc[int(bt[0, 0]), 0, 1] = NAN  # logical block 0 of requests 0 and 1 (aliased page)
+    got = ops.select_tokens_torch(q, kc, bt, req, pos, seq, k=4)
+    want = iref.select_tokens_reference(q, kc, bt, req, pos, seq, k=4)
+    assert torch.equal(got, want)
+    # row 0 (pos 69): all scores 0 except NaN block 0 -> blocks 1, 2, 3, 4
+    assert got[0, :16].tolist() == list(range(4, 20))
+
+
+def test_select_tokens_torch_matches_kernel(device):
+    args = selection_case(seed=3, D=32, integer=True, device=device)
+    from qsa.indexer import select_tokens
+
+    assert torch.equal(ops.select_tokens_torch(*args, k=5).cpu(), select_tokens(*args, k=5).cpu())
+
+
+def _select_ties_high(q, kc, bt, req, pos, seq, k):
+    """A known-wrong selection: ties go to the HIGHER block index."""
+    scores = iref.block_scores_reference(q, kc, bt, req, pos, seq)
+    vis = iref.visible_blocks_reference(req, pos, seq)
+    blocks = torch.full((q.shape[0], k), -1, dtype=torch.int32)
+    for r in range(q.shape[0]):
+        cand = [b for b in range(min(int(vis[r]), scores.shape[1])) if scores[r, b] > float("-inf")]
+        cand.sort(key=lambda b: (-float(scores[r, b].nan_to_num(-1.0)), -b))
+        chosen = sorted(cand[:k])
+        blocks[r, :len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
+    return iref.expand_tokens_reference(blocks, req, pos, seq)
+
+
+def test_wrong_selection_is_rejected():
+    """The exact comparison catches a selection that breaks ties the other way (and the wrong
+    variant is otherwise right: it agrees where there are no ties)."""
+    q, *rest = selection_case(seed=2)
+    q[:3] = 0  # all-tied rows
+    case = (q, *rest)
+    assert torch.equal(ops.select_tokens_torch(*case, k=3), iref.select_tokens_reference(*case, k=3))
+    assert not torch.equal(_select_ties_high(*case, k=3), ops.select_tokens_torch(*case, k=3))
+    tie_free = selection_case(seed=2, integer=False)
+    assert torch.equal(_select_ties_high(*tie_free, k=3), ops.select_tokens_torch(*tie_free, k=3))
+
+
+def _feed(fn, raw, req_ids, positions, kc, bt, partial, chunks, transform):
+    start = 0
+    for n in chunks:
+        sl = slice(start, start + n)
+        fn(raw[sl], req_ids[sl], positions[sl], kc, bt, partial, transform=transform)
+        start += n
+
+
+@pytest.mark.parametrize("with_transform", [False, True])
+def test_update_compressed_keys_torch_matches_kernel_and_reference(device, with_transform):
+    from qsa.indexer import update_compressed_keys
+
+    D, block_size, L = 32, 8, 27
+    g = _gen(4)
+    raw = torch.randn(L, D, generator=g)
+    transform = index_key_transform(torch.randn(D, generator=g) * 0.1, 1e-6, 16, 10000.0) \
+        if with_transform else None
+    bt = torch.tensor([[5, 2, 7, 0]], dtype=torch.int32)
+    req_ids = torch.zeros(L, dtype=torch.int32)
+    positions = torch.arange(L)
+    results = []
+    for fn, dev in ((ops.update_compressed_keys_torch, "cpu"), (update_compressed_keys, device)):
+        kc = torch.full((8, block_size // 4, D), NAN, device=dev)
+        partial = torch.full((1, 3, D), NAN, device=dev)
+        _feed(fn, raw.to(dev), req_ids.to(dev), positions.to(dev), kc, bt.to(dev), partial,
+              [5, 3, 7, 1, 1, 10], transform)
+        results.append((kc.cpu(), partial.cpu()))
+    (kc_t, part_t), (kc_k, part_k) = results
+    assert torch.equal(kc_t.nan_to_num(123.0), kc_k.nan_to_num(123.0))
+    assert torch.equal(part_t, part_k)
+    want = iref.compressed_keys_reference(raw, transform)
+    got = torch.stack([kc_t[int(bt[0, b // 2]), b % 2] for b in range(L // 4)])
+    assert torch.equal(got, want)
+    assert torch.equal(part_t[0, :3], raw[24:27])
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+def test_write_kv_torch_matches_kernel(device, kv_cache_dtype):
+    from qsa.cache import write_kv
+
+    g = _gen(5)
+    k = torch.randn(9, 2, 16, generator=g).to(torch.bfloat16)
+    v = torch.randn(9, 2, 16, generator=g).to(torch.bfloat16)
+    slots = torch.tensor([3, 17, -1, 40, 63, 64, 1000, 5, 0])
+    caches = []
+    for fn, dev in ((ops.write_kv_torch, "cpu"), (write_kv, device)):
+        c = allocate_kv_cache(8, 8, 2, 16, dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype, fill="nan",
+                              device=dev, k_scale=0.5, v_scale=0.25)
+        fn(c.k, c.v, k.to(dev), v.to(dev), slots.to(dev), kv_cache_dtype=kv_cache_dtype, k_scale=c.k_scale,
+           v_scale=c.v_scale)
+        caches.append(c.storage.cpu().view(torch.uint8))
+    assert torch.equal(caches[0], caches[1])
+    c = caches[0].view(torch.uint8 if kv_cache_dtype == "fp8_e4m3" else torch.bfloat16)
+    want = quantize_e4m3(k[1], 0.5) if kv_cache_dtype == "fp8_e4m3" else k[1]
+    assert torch.equal(c[2, 0, 1], want)  # slot 17 = block 2, offset 1
+
+
+# ---------------------------------------------------------------------------------------------
+# custom ops
+
+
+def _attention_case(device, rows=11):
+    from qsa.reference import make_attention_case
+
+    return make_attention_case(rows=rows, num_reqs=3, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=8,
+                               width=20, max_seq_len=40, dtype=torch.bfloat16, with_gate=True, device=device)
+
+
+def test_attention_op_matches_public_op():
+    import qsa
+
+    c = _attention_case("cpu")
+    want, want_lse = c.run(qsa.sparse_paged_attention, return_lse=True, route="reference")
+    got, got_lse = c.run(ops.sparse_paged_attention, return_lse=True, route="reference")
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    got_only = c.run(ops.sparse_paged_attention, route="reference")
+    assert torch.equal(got_only, want)
+
+
+def test_opcheck_attention():
+    c = _attention_case("cpu")
+    cache = c.cache
+    for return_lse in (False, True):
+        args = (c.q, cache.k, cache.v, c.indices, c.block_table, c.token_to_req, c.positions, c.seq_lens, c.gate,
+                "auto", 1.0, 1.0, None, return_lse, "reference")
+        torch.library.opcheck(torch.ops.qsa.sparse_paged_attention.default, args)
+
+
+def test_opcheck_select_and_cache_ops():
+    q, kc, bt, req, pos, seq = selection_case(seed=6, D=16)
+    torch.library.opcheck(torch.ops.qsa.select_tokens.default, (q, kc, bt, req, pos, seq, 4, "torch"))
+    g = _gen(7)
+    kv = torch.zeros(6, 2, 8, 2, 16, dtype=torch.bfloat16)
+    k = torch.randn(5, 2, 16, generator=g).to(torch.bfloat16)
+    slots = torch.tensor([0, 9, -1, 47, 3])
+    torch.library.opcheck(torch.ops.qsa.write_kv.default, (kv, k, k, slots, "auto", 1.0, 1.0, "torch"))
+    raw = torch.randn(6, 16, generator=g)
+    kcache = torch.zeros(6, 2, 16)
+    partial = torch.zeros(2, 3, 16)
+    w = torch.randn(16, generator=g)
+    torch.library.opcheck(torch.ops.qsa.update_compressed_keys.default,
+                          (raw, torch.zeros(6, dtype=torch.int32), torch.arange(6), kcache,
+                           torch.tensor([[1, 4], [2, 3]], dtype=torch.int32), partial, w, 1e-6, 8, 10000.0,
+                           "torch"))
+
+
+def test_write_kv_op_mutates_only_given_slots():
+    kv = torch.full((4, 2, 4, 1, 8), NAN, dtype=torch.float16)
+    k = torch.ones(2, 1, 8, dtype=torch.float16)
+    ops.write_kv(kv, k, 2 * k, torch.tensor([5, -1]), backend="torch")
+    assert (kv[1, 0, 1] == 1).all() and (kv[1, 1, 1] == 2).all()
+    assert torch.isnan(kv).sum() == kv.numel() - 16
+
+
+def test_fake_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(7, 4, 16, dtype=torch.bfloat16)
+        kv = torch.empty(5, 2, 8, 2, 16, dtype=torch.bfloat16)
+        idx = torch.empty(7, 11, dtype=torch.int32)
+        t2r = torch.empty(7, dtype=torch.int32)
+        pos = torch.empty(7, dtype=torch.int64)
+        bt = torch.empty(2, 3, dtype=torch.int32)
+        seq = torch.empty(2, dtype=torch.int32)
+        out, lse = torch.ops.qsa.sparse_paged_attention(q, kv[:, 0], kv[:, 1], idx, bt, t2r, pos, seq, None, "auto",
+                                                        1.0, 1.0, None, True, "auto")
+        assert out.shape == (7, 4, 16) and out.dtype == torch.bfloat16
+        assert lse.shape == (7, 4) and lse.dtype == torch.float32
+        sel = torch.ops.qsa.select_tokens(torch.empty(7, 4, 32), torch.empty(5, 2, 32), bt, t2r, pos, seq, 6,
+                                          "triton")
+        assert sel.shape == (7, 27) and sel.dtype == torch.int32
+
+
+def test_kernel_backend():
+    assert ops.kernel_backend("reference", "cpu") == "torch"
+    # the interpreter is on in a CPU test run
+    assert ops.kernel_backend("auto", "cuda" if HAS_CUDA else "cpu") == "triton"
+    with pytest.raises(ValueError, match="backend"):
+        ops.write_kv(torch.zeros(1, 2, 4, 1, 8), torch.zeros(0, 1, 8), torch.zeros(0, 1, 8),
+                     torch.zeros(0, dtype=torch.int64), backend="cuda")
