@@ -1,0 +1,479 @@
+"""Selection (the indexer, SPEC section 2): compressed keys, block scores, exact top-k, token expansion.
+
+The stage picks, for every query row, the ``k`` best 4-token blocks of its request and expands them to
+the token list that :func:`qsa.sparse_paged_attention` consumes::
+
+    kc   = mean_fp32(raw_k[4b : 4b + 4])                    (update_compressed_keys, per step)
+    s[b] = sum_h relu(q[r, h] . kc[b]) * D**-0.5             (block_scores kernel, fp32)
+    top  = exact top-k of s over visible candidate blocks     (topk kernel: radix select, no sort)
+    toks = 4 * top[j // 4] + j % 4, causal tail, -1 padding   (same topk kernel)
+
+``visible(r) = min((pos + 1) // 4, seq_len // 4)``; block ``b`` of request ``req`` is a candidate when
+``b < visible(r)`` and ``block_table[req, b // (block_size // 4)]`` is in ``[0, num_blocks)``.
+Ordering is total and exact: score descending, ties by lower block index, -0.0 == +0.0, ``+-inf`` as
+numbers, NaN (all equal) below every number. ``docs/selection.md`` derives the kernels and states what
+is bitwise: top-k and expansion always; scores to fp32 rounding (bitwise when dot products are exact).
+
+Everything runs on the device without host synchronisation and with fixed output shapes, so the
+stage can be captured in a CUDA graph and replayed with new queries, keys, tables and lengths.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from .indexer_reference import GROUP
+from .kernels.indexer import block_scores_kernel, store_compressed_kernel
+from .kernels.topk import topk_kernel
+from .utils import check_tensor, dot_in_fp32, interpreter_enabled, next_pow2, round_up
+
+MAX_K = 2048
+"""Largest ``k`` accepted (blocks per row)."""
+
+MAX_REGISTER_TILE = 16384
+"""Rows of at most this many blocks are held in registers by one top-k program; longer rows are
+streamed in chunks and selected by an 8-bit radix histogram."""
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+__all__ = [
+    "MAX_K",
+    "CompressedKeyCache",
+    "block_scores",
+    "select_tokens",
+    "tokens_from_scores",
+    "topk_blocks",
+    "torch_select_baseline",
+    "update_compressed_keys",
+]
+
+
+# ----------------------------------------------------------------------------------------------
+# checks
+
+
+def _check_device(t: torch.Tensor, name: str) -> None:
+    if t.device.type != "cuda" and not interpreter_enabled():
+        raise ValueError(f"{name} must be a CUDA tensor (or set TRITON_INTERPRET=1 for the CPU "
+                         f"interpreter), got {t.device}")
+
+
+def _check_same_device(ref_name: str, ref: torch.Tensor, **tensors) -> None:
+    for name, t in tensors.items():
+        if t.device != ref.device:
+            raise ValueError(f"{name} must be on {ref.device} like {ref_name}, got {t.device}")
+
+
+def _check_k(k) -> int:
+    if isinstance(k, bool) or not isinstance(k, int):
+        raise TypeError(f"k must be an int, got {type(k).__name__}")
+    if not 1 <= k <= MAX_K:
+        raise ValueError(f"k must be in [1, {MAX_K}], got {k}")
+    return k
+
+
+def _check_rows(token_to_req, positions, rows=None) -> int:
+    check_tensor("token_to_req", token_to_req, ndim=1, dtypes=_INDEX_DTYPES, what="[rows]")
+    rows = token_to_req.shape[0] if rows is None else rows
+    check_tensor("token_to_req", token_to_req, shape=(rows,), what="[rows]")
+    check_tensor("positions", positions, shape=(rows,), dtypes=_INDEX_DTYPES, what="[rows]")
+    _check_same_device("token_to_req", token_to_req, positions=positions)
+    return rows
+
+
+def _check_seq_lens(seq_lens, token_to_req, num_reqs=None) -> None:
+    check_tensor("seq_lens", seq_lens, ndim=1, dtypes=_INDEX_DTYPES, what="[num_reqs]")
+    if num_reqs is not None:
+        check_tensor("seq_lens", seq_lens, shape=(num_reqs,), what="[num_reqs]")
+    _check_same_device("token_to_req", token_to_req, seq_lens=seq_lens)
+
+
+def _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens):
+    check_tensor("index_q", index_q, ndim=3, dtypes=_FLOAT_DTYPES, what="[rows, H_idx, D]")
+    rows, H, D = index_q.shape
+    check_tensor("kc_cache", kc_cache, ndim=3, dtypes=(index_q.dtype,),
+                 what="[num_blocks, block_size // 4, D] with index_q's dtype")
+    check_tensor("kc_cache", kc_cache, shape=(None, None, D), what="[num_blocks, block_size // 4, D]")
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), what="[num_reqs, max_blocks]")
+    _check_rows(token_to_req, positions, rows)
+    _check_seq_lens(seq_lens, token_to_req, block_table.shape[0])
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"index_q head width D must be a power of two >= 16, got {D}")
+    if H < 1:
+        raise ValueError(f"index_q must have at least one head, got shape {tuple(index_q.shape)}")
+    if kc_cache.shape[1] < 1:
+        raise ValueError(f"kc_cache must have block_size // 4 >= 1 rows per block, got {tuple(kc_cache.shape)}")
+    _check_same_device("index_q", index_q, kc_cache=kc_cache, block_table=block_table,
+                       token_to_req=token_to_req)
+    _check_device(index_q, "index_q")
+    return rows, H, D
+
+
+# ----------------------------------------------------------------------------------------------
+# launchers
+
+
+def _score_config(rows: int, n_cols: int) -> dict:
+    """Tiles of the score kernel: BLOCK_R rows x all heads against BLOCK_N compressed keys, each
+    program sweeping ``n_per_prog`` blocks (a multiple of BLOCK_N)."""
+    if interpreter_enabled():
+        return dict(BLOCK_R=16, BLOCK_N=16, n_per_prog=max(round_up(n_cols, 16), 16), num_warps=4,
+                    num_stages=1)
+    return dict(BLOCK_R=32, BLOCK_N=128, n_per_prog=1024, num_warps=8, num_stages=3)
+
+
+def _launch_scores(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, out, *,
+                   write_keys: bool, config: dict | None = None) -> None:
+    rows, H, D = index_q.shape
+    num_reqs, max_blocks = block_table.shape
+    rpb = kc_cache.shape[1]
+    n_cols = max_blocks * rpb
+    if rows == 0 or n_cols == 0:
+        return
+    cfg = dict(_score_config(rows, n_cols), **(config or {}))
+    q = index_q if index_q.stride(2) == 1 else index_q.contiguous()
+    kc = kc_cache if kc_cache.stride(2) == 1 else kc_cache.contiguous()
+    bt = block_table.contiguous()
+    n_per_prog = round_up(cfg["n_per_prog"], cfg["BLOCK_N"])
+    grid = (triton.cdiv(rows, cfg["BLOCK_R"]), triton.cdiv(n_cols, n_per_prog))
+    block_scores_kernel[grid](
+        q, kc, bt, token_to_req.contiguous(), positions.contiguous(), seq_lens.contiguous(), out,
+        rows, num_reqs, kc.shape[0], n_cols, n_per_prog, D ** -0.5,
+        q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), bt.stride(0), out.stride(0),
+        ROWS_PER_PAGE=rpb, H=H, H_PAD=next_pow2(H), D=D, BLOCK_R=cfg["BLOCK_R"], BLOCK_N=cfg["BLOCK_N"],
+        WRITE_KEYS=write_keys,
+        DOT_FP32=dot_in_fp32(index_q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def _topk_config(n_cols: int, width: int) -> dict:
+    if n_cols <= MAX_REGISTER_TILE:
+        block_n = max(next_pow2(n_cols), 16)
+        warps = 4 if block_n <= 2048 else 8 if block_n <= 8192 else 16
+        cfg = dict(SINGLE_TILE=True, BLOCK_N=block_n, num_warps=warps)
+    else:
+        cfg = dict(SINGLE_TILE=False, BLOCK_N=4096, num_warps=8)
+    cfg.update(RADIX_BITS=8, EMIT_BLOCK=min(cfg["BLOCK_N"], 2048),
+               OUT_BLOCK=min(max(next_pow2(width), 16), 2048))
+    return cfg
+
+
+def _launch_topk(src, out, k, *, from_scores, visible=None, token_to_req=None, positions=None,
+                 seq_lens=None, config: dict | None = None) -> None:
+    """Block mode (``visible`` given): ``out`` is ``[rows, k]``. Token mode: ``out`` is
+    ``[rows, 4k + 3]`` and visibility comes from the rows' requests."""
+    rows, n_cols = src.shape
+    if rows == 0:
+        return
+    emit_tokens = visible is None
+    cfg = dict(_topk_config(n_cols, out.shape[1]), **(config or {}))
+    dummy = out
+    topk_kernel[(rows,)](
+        src, dummy if emit_tokens else visible,
+        token_to_req if emit_tokens else dummy, positions if emit_tokens else dummy,
+        seq_lens if emit_tokens else dummy, out,
+        n_cols, seq_lens.shape[0] if emit_tokens else 0, k, src.stride(0), out.stride(0),
+        FROM_SCORES=from_scores, EMIT_TOKENS=emit_tokens, SINGLE_TILE=cfg["SINGLE_TILE"],
+        BLOCK_N=cfg["BLOCK_N"], RADIX_BITS=cfg["RADIX_BITS"], EMIT_BLOCK=cfg["EMIT_BLOCK"],
+        OUT_BLOCK=cfg["OUT_BLOCK"], num_warps=cfg["num_warps"],
+    )
+
+
+def _row_major(scores):
+    return scores if scores.stride(1) == 1 or scores.shape[1] <= 1 else scores.contiguous()
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+
+
+def block_scores(index_q, kc_cache, block_table, token_to_req, positions, seq_lens):
+    """Block scores of every row over its request's compressed keys.
+
+    Args:
+        index_q: ``[rows, H_idx, D]`` fp16/bf16/fp32 index queries (D a power of two, 128 in QSA).
+        kc_cache: ``[num_blocks, block_size // 4, D]`` compressed-key cache, ``index_q``'s dtype.
+            Logical block ``b`` of request ``req`` is row ``b % (block_size // 4)`` of physical block
+            ``block_table[req, b // (block_size // 4)]``.
+        block_table: ``[num_reqs, max_blocks]`` int32, shared with the main KV cache.
+        token_to_req: ``[rows]`` int32/int64 request of each row.
+        positions: ``[rows]`` int64/int32 logical position of each row (-1: padding).
+        seq_lens: ``[num_reqs]`` int32/int64.
+
+    Returns:
+        ``[rows, max_blocks * (block_size // 4)]`` fp32: ``sum_h relu(q[r,h] . kc[b]) * D**-0.5`` for
+        candidate blocks, ``-inf`` elsewhere (a real score is never -inf: it is >= 0, +inf or NaN).
+        Dot products accumulate in fp32 (bf16/fp16 operands on tensor cores).
+    """
+    rows, _, _ = _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens)
+    n_cols = block_table.shape[1] * kc_cache.shape[1]
+    out = torch.empty(rows, n_cols, dtype=torch.float32, device=index_q.device)
+    _launch_scores(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, out,
+                   write_keys=False)
+    return out
+
+
+def topk_blocks(scores, visible, k: int):
+    """Exact top-k blocks of each row, in ascending block order.
+
+    Args:
+        scores: ``[rows, n]`` fp32 (fp16/bf16 are compared after an exact upcast).
+        visible: ``[rows]`` int32/int64; row ``r`` chooses among blocks ``b < min(visible[r], n)``
+            (negative counts as 0).
+        k: blocks per row, ``1 <= k <= 2048`` (512 in QSA).
+
+    Returns:
+        ``[rows, k]`` int32: the ``min(k, limit)`` best blocks by score descending, ties by lower
+        index, -0.0 == +0.0, infinities as numbers, NaN below every number; sorted ascending and
+        padded with -1. With ``limit <= k`` that is ``0 .. limit - 1``. A row's result depends on
+        that row alone; no host synchronisation.
+
+    Example::
+
+        >>> s = torch.tensor([[0.5, 2.0, 2.0, float("nan"), 1.0]], device="cuda")
+        >>> qsa.topk_blocks(s, torch.tensor([5], device="cuda"), 2)
+        tensor([[1, 2]], device='cuda:0', dtype=torch.int32)
+    """
+    k = _check_k(k)
+    check_tensor("scores", scores, ndim=2, dtypes=_FLOAT_DTYPES, what="[rows, n]")
+    check_tensor("visible", visible, shape=(scores.shape[0],), dtypes=_INDEX_DTYPES, what="[rows]")
+    _check_same_device("scores", scores, visible=visible)
+    _check_device(scores, "scores")
+    out = torch.empty(scores.shape[0], k, dtype=torch.int32, device=scores.device)
+    _launch_topk(_row_major(scores), out, k, from_scores=True, visible=visible.contiguous())
+    return out
+
+
+def tokens_from_scores(scores, token_to_req, positions, seq_lens, *, k: int = 512):
+    """Top-k plus expansion on given scores: the token selection of :func:`select_tokens` with every
+    block ``b < min(visible(r), n)`` a candidate.
+
+    Args:
+        scores: ``[rows, n]`` fp32/fp16/bf16 block scores.
+        token_to_req, positions: ``[rows]`` int32/int64; seq_lens: ``[num_reqs]`` int32/int64.
+        k: blocks per row, ``1 <= k <= 2048``.
+
+    Returns:
+        ``[rows, 4k + 3]`` int32 (see :func:`select_tokens`).
+    """
+    k = _check_k(k)
+    check_tensor("scores", scores, ndim=2, dtypes=_FLOAT_DTYPES, what="[rows, n]")
+    _check_rows(token_to_req, positions, scores.shape[0])
+    _check_seq_lens(seq_lens, token_to_req)
+    _check_same_device("scores", scores, token_to_req=token_to_req)
+    _check_device(scores, "scores")
+    out = torch.empty(scores.shape[0], 4 * k + 3, dtype=torch.int32, device=scores.device)
+    _launch_topk(_row_major(scores), out, k, from_scores=True, token_to_req=token_to_req.contiguous(),
+                 positions=positions.contiguous(), seq_lens=seq_lens.contiguous())
+    return out
+
+
+def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, *, k: int = 512,
+                  out=None):
+    """The whole selection stage in one call: scores, exact top-k, expansion to tokens.
+
+    Args:
+        index_q: ``[rows, H_idx, D]`` fp16/bf16/fp32 index queries (QSA: H_idx = 4, D = 128).
+        kc_cache: ``[num_blocks, block_size // 4, D]`` compressed keys, ``index_q``'s dtype.
+        block_table: ``[num_reqs, max_blocks]`` int32 (the main KV cache's table).
+        token_to_req: ``[rows]`` int32/int64; positions: ``[rows]`` int64/int32 (-1: padding);
+        seq_lens: ``[num_reqs]`` int32/int64.
+        k: blocks per row, ``1 <= k <= 2048`` (512 in QSA).
+        out: optional ``[rows, 4k + 3]`` int32 output.
+
+    Returns:
+        ``[rows, 4k + 3]`` int32 tokens, ready for ``sparse_paged_attention``'s ``indices``: for
+        the chosen blocks (the ``k`` best candidates, ascending) ``4b, 4b+1, 4b+2, 4b+3``; then the
+        causal tail ``((pos + 1) // 4) * 4 .. pos`` (tokens ``>= seq_len`` become -1); then -1.
+        Padding rows (invalid request or ``pos < 0``) are all -1. Blocks whose table entry is
+        invalid are not candidates.
+
+    Example::
+
+        >>> idx = qsa.select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_lens)
+        >>> out = qsa.sparse_paged_attention(q, k_cache, v_cache, idx, block_table, token_to_req,
+        ...                                  positions, seq_lens)
+    """
+    k = _check_k(k)
+    rows, _, _ = _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens)
+    width = 4 * k + 3
+    if out is None:
+        out = torch.empty(rows, width, dtype=torch.int32, device=index_q.device)
+    else:
+        check_tensor("out", out, shape=(rows, width), dtypes=(torch.int32,), what="[rows, 4k + 3]")
+        _check_same_device("index_q", index_q, out=out)
+        if out.stride(1) != 1:
+            raise ValueError("out must have a contiguous last dimension")
+    n_cols = block_table.shape[1] * kc_cache.shape[1]
+    keys = torch.empty(rows, n_cols, dtype=torch.int32, device=index_q.device)
+    token_to_req, positions, seq_lens = (t.contiguous() for t in (token_to_req, positions, seq_lens))
+    _launch_scores(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, keys,
+                   write_keys=True)
+    _launch_topk(keys, out, k, from_scores=False, token_to_req=token_to_req, positions=positions,
+                 seq_lens=seq_lens)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# compressed-key cache feeding
+
+
+def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table, partial, *,
+                           transform=None) -> None:
+    """Write the compressed key of every 4-token group that completes in this step.
+
+    Tokens of one request must be contiguous in the batch with consecutive ascending positions (the
+    usual chunked-prefill / decode layout); a request's first step starts at a multiple of 4 (any
+    prefix-cache hit is whole blocks). A group straddling steps takes its earlier raw keys from
+    ``partial``, which this call refreshes with the open group of every request it touches.
+
+    Args:
+        raw_k: ``[T, D]`` raw index keys of this step's tokens (any float dtype).
+        token_to_req: ``[T]`` int32/int64; positions: ``[T]`` int64/int32 (-1: padding, ignored).
+        kc_cache: ``[num_blocks, block_size // 4, D]`` fp16/bf16/fp32, written in place at row
+            ``b % (block_size // 4)`` of ``block_table[req, b // (block_size // 4)]`` (skipped when
+            that entry is invalid).
+        block_table: ``[num_reqs, max_blocks]`` int32.
+        partial: ``[num_reqs, 3, D]`` fp32, contiguous; slot ``j`` holds the raw key at position
+            ``4 * (p // 4) + j`` of the request's open group. Updated in place.
+        transform: optional ``f(kc [T, D] fp32, block_idx [T] int64) -> [T, D]`` applied to the fp32
+            means before the cast (RMSNorm, RoPE at position ``4 * block_idx``). It sees one row per
+            token; only rows of tokens closing a group (``p % 4 == 3``) are stored, so it must be
+            row-wise and tolerate arbitrary values in the other rows.
+
+    ``kc[b] = (((k[4b] + k[4b+1]) + k[4b+2]) + k[4b+3]) * 0.25`` in fp32, the same for any chunking.
+    Runs on the device with no host synchronisation.
+    """
+    check_tensor("raw_k", raw_k, ndim=2, dtypes=_FLOAT_DTYPES, what="[T, D]")
+    T, D = raw_k.shape
+    _check_rows(token_to_req, positions, T)
+    check_tensor("kc_cache", kc_cache, shape=(None, None, D), dtypes=_FLOAT_DTYPES,
+                 what="[num_blocks, block_size // 4, D]")
+    check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), what="[num_reqs, max_blocks]")
+    num_reqs = block_table.shape[0]
+    check_tensor("partial", partial, shape=(num_reqs, GROUP - 1, D), dtypes=(torch.float32,),
+                 what="[num_reqs, 3, D]")
+    if not partial.is_contiguous():
+        raise ValueError("partial must be contiguous")
+    if kc_cache.stride(2) != 1:
+        raise ValueError("kc_cache must have a contiguous last dimension")
+    if D & (D - 1):
+        raise ValueError(f"raw_k width D must be a power of two, got {D}")
+    _check_same_device("raw_k", raw_k, token_to_req=token_to_req, positions=positions,
+                       kc_cache=kc_cache, block_table=block_table, partial=partial)
+    _check_device(raw_k, "raw_k")
+    if T == 0:
+        return
+
+    dev = raw_k.device
+    req = token_to_req.to(torch.int64)
+    pos = positions.to(torch.int64)
+    ok = (req >= 0) & (req < num_reqs) & (pos >= 0)
+    req_c = torch.where(ok, req, 0)
+    pos_c = torch.where(ok, pos, 0)
+    j = pos_c % GROUP
+    t_idx = torch.arange(T, device=dev)
+    x = raw_k.float()
+    grp = torch.zeros(T, GROUP, D, dtype=torch.float32, device=dev)
+    for m in range(GROUP):
+        back = j - m                                   # distance to the member at 4*(p//4) + m
+        src = (t_idx - back).clamp(0, T - 1)
+        in_step = (back >= 0) & (t_idx - back >= 0) & (req[src] == req) & (pos[src] == pos_c - back)
+        earlier = partial[req_c, min(m, GROUP - 2)]
+        grp[:, m] = torch.where(in_step[:, None], x[src],
+                                torch.where(((back >= 0) & (m < GROUP - 1))[:, None], earlier, 0.0))
+    kc_new = (((grp[:, 0] + grp[:, 1]) + grp[:, 2]) + grp[:, 3]) * 0.25
+    if transform is not None:
+        kc_new = transform(kc_new, pos_c // GROUP)
+        if not isinstance(kc_new, torch.Tensor) or kc_new.shape != (T, D):
+            raise ValueError(f"transform must return a [T, D] = [{T}, {D}] tensor")
+        kc_new = kc_new.float()
+    kc_new = kc_new.to(kc_cache.dtype).contiguous()      # round here: one rounding rule everywhere
+    bt = block_table.contiguous()
+    store_compressed_kernel[(T,)](
+        kc_new, grp, token_to_req.contiguous(), positions.contiguous(), bt, kc_cache, partial,
+        T, num_reqs, kc_cache.shape[0], bt.shape[1], kc_cache.shape[1],
+        kc_cache.stride(0), kc_cache.stride(1), bt.stride(0), D=D,
+    )
+
+
+class CompressedKeyCache:
+    """A compressed-key cache with its per-request partial groups.
+
+    Args:
+        num_blocks, block_size: the main KV cache's physical blocks and tokens per block
+            (``block_size % 4 == 0``); the compressed cache has ``block_size // 4`` rows per block.
+        num_reqs: request slots (rows of the block table).
+        dim: key width D (128 in QSA). dtype, device: of ``kc_cache``.
+        transform: see :func:`update_compressed_keys`.
+
+    Attributes:
+        kc_cache: ``[num_blocks, block_size // 4, dim]``, pass to :func:`select_tokens`.
+        partial: ``[num_reqs, 3, dim]`` fp32 open groups.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_reqs: int, *, dim: int = 128,
+                 dtype=torch.bfloat16, device="cuda", transform=None):
+        if block_size <= 0 or block_size % GROUP:
+            raise ValueError(f"block_size must be a positive multiple of 4, got {block_size}")
+        self.kc_cache = torch.zeros(num_blocks, block_size // GROUP, dim, dtype=dtype, device=device)
+        self.partial = torch.zeros(num_reqs, GROUP - 1, dim, dtype=torch.float32, device=device)
+        self.transform = transform
+
+    def update(self, raw_k, token_to_req, positions, block_table) -> None:
+        """Feed one step's raw keys (see :func:`update_compressed_keys`)."""
+        update_compressed_keys(raw_k, token_to_req, positions, self.kc_cache, block_table, self.partial,
+                               transform=self.transform)
+
+
+# ----------------------------------------------------------------------------------------------
+# baseline
+
+
+def torch_select_baseline(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, *,
+                          k: int = 512):
+    """The plain PyTorch pipeline the kernels are measured against: gather the compressed keys
+    densely, one fp32 matmul per request, relu, head sum, ``torch.topk``, ``sort``, expansion.
+
+    Same output layout as :func:`select_tokens`; equal to it except where ``torch.topk`` breaks ties
+    differently (its tie order is unspecified) or NaN scores occur. Synchronises with the host (one
+    matmul per request present). Needs ``n_cols >= k``.
+    """
+    rows, H, D = index_q.shape
+    num_reqs, max_blocks = block_table.shape
+    rpb = kc_cache.shape[1]
+    n = max_blocks * rpb
+    dev = index_q.device
+    pages = block_table.long()
+    page_ok = (pages >= 0) & (pages < kc_cache.shape[0])
+    kc_dense = kc_cache[pages.clamp(0, kc_cache.shape[0] - 1)].reshape(num_reqs, n, D)
+    block_ok = page_ok.repeat_interleave(rpb, dim=1)                              # [num_reqs, n]
+    req = token_to_req.long()
+    pos = positions.long()
+    row_ok = (req >= 0) & (req < num_reqs) & (pos >= 0)
+    req_c = torch.where(row_ok, req, 0)
+    vis = torch.minimum((pos + 1) // GROUP, seq_lens.long()[req_c] // GROUP)
+    vis = torch.where(row_ok, vis.clamp(0, n), 0)
+    scores = torch.empty(rows, n, dtype=torch.float32, device=dev)
+    for r_req in torch.unique(req_c).tolist():
+        sel = (req_c == r_req).nonzero().squeeze(1)
+        s = torch.matmul(index_q[sel].float().reshape(-1, D), kc_dense[r_req].float().T)
+        scores[sel] = s.reshape(-1, H, n).relu().sum(1) * (D ** -0.5)
+    cand = (torch.arange(n, device=dev)[None, :] < vis[:, None]) & block_ok[req_c]
+    scores = scores.masked_fill(~cand, float("-inf"))
+    top = torch.topk(scores, k, dim=1)
+    blocks = torch.where(top.values > float("-inf"), top.indices, n + 1)
+    blocks = torch.sort(blocks, dim=1).values
+    kept = blocks <= n
+    n_kept = kept.sum(1)
+    toks = (4 * blocks[:, :, None] + torch.arange(4, device=dev)).reshape(rows, 4 * k)
+    j = torch.arange(4 * k + 3, device=dev)[None, :]
+    tail_start = ((pos + 1) // GROUP) * GROUP
+    tail = tail_start[:, None] + (j - 4 * n_kept[:, None])
+    out = torch.where(j < 4 * n_kept[:, None],
+                      torch.nn.functional.pad(toks, (0, 3)), torch.where(tail <= pos[:, None], tail, -1))
+    seq_row = torch.where(row_ok, seq_lens.long()[req_c], 0)
+    out = torch.where((out >= 0) & (out < seq_row[:, None]) & row_ok[:, None], out, -1)
+    return out.to(torch.int32)

@@ -1,0 +1,143 @@
+"""Indexer kernels (``@triton.jit`` only): block scores through the paged compressed-key cache, and the
+store of freshly completed compressed keys. Launchers live in ``qsa/indexer.py``."""
+
+import triton
+import triton.language as tl
+
+from .topk import score_key
+
+BIG_REQ = tl.constexpr(2**31 - 1)
+
+
+@triton.jit
+def block_scores_kernel(
+    q_ptr,      # [rows, H, D] index queries (last dim contiguous)
+    kc_ptr,     # [num_blocks, block_size // 4, D] compressed keys (last dim contiguous)
+    bt_ptr,     # [num_reqs, max_blocks] int32 block table
+    req_ptr,    # [rows] int32/int64 request of each row
+    pos_ptr,    # [rows] int32/int64 position of each row
+    seq_ptr,    # [num_reqs] int32/int64 sequence lengths
+    out_ptr,    # [rows, n_cols] int32 score keys (WRITE_KEYS) or fp32 scores
+    rows, num_reqs, num_blocks, n_cols, n_per_prog, scale,
+    stride_qr, stride_qh, stride_kb, stride_kr, stride_bt, stride_out,
+    ROWS_PER_PAGE: tl.constexpr,  # block_size // 4
+    H: tl.constexpr,
+    H_PAD: tl.constexpr,      # next power of two >= H
+    D: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    WRITE_KEYS: tl.constexpr,   # int32 score_key bits, 0 for invalid pages; else fp32, -inf off-candidates
+    DOT_FP32: tl.constexpr,     # upcast dot operands (bf16 under the interpreter, triton#11584)
+):
+    """Program (i_r, i_g): rows [i_r * BLOCK_R, +BLOCK_R) x blocks [i_g * n_per_prog, +n_per_prog),
+    ``n_per_prog`` a multiple of BLOCK_N.
+
+    Rows of the tile are served one request at a time (a tile of one request is one pass): one
+    tensor-core dot per key tile covers all BLOCK_R rows x H heads, so a compressed-key tile is loaded
+    once per row tile. Blocks past the largest visible count of the request's rows are neither loaded
+    nor (in key mode) written. Tile rows of other requests compute values that are never stored.
+    """
+    i_r = tl.program_id(0)
+    i_g = tl.program_id(1)
+    o_r = i_r * BLOCK_R + tl.arange(0, BLOCK_R)
+    m_r = o_r < rows
+    o_r64 = o_r.to(tl.int64)
+    o_d = tl.arange(0, D)
+    o_n = tl.arange(0, BLOCK_N)
+
+    req = tl.load(req_ptr + o_r, mask=m_r, other=-1).to(tl.int32)
+    pos = tl.load(pos_ptr + o_r, mask=m_r, other=-1).to(tl.int64)
+    m_ok = m_r & (req >= 0) & (req < num_reqs) & (pos >= 0)
+    seq = tl.load(seq_ptr + tl.where(m_ok, req, 0), mask=m_ok, other=0).to(tl.int64)
+    vis = tl.minimum((pos + 1) // 4, seq // 4)
+    vis = tl.where(m_ok, tl.maximum(tl.minimum(vis, n_cols), 0), 0).to(tl.int32)
+
+    # Query tile: matrix row m = r * H_PAD + h (head h of tile row r), zero for padded heads.
+    o_m = tl.arange(0, BLOCK_R * H_PAD)
+    o_mr = i_r * BLOCK_R + o_m // H_PAD
+    o_mh = o_m % H_PAD
+    p_q = q_ptr + o_mr.to(tl.int64)[:, None] * stride_qr + o_mh[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=((o_mr < rows) & (o_mh < H))[:, None], other=0.0)
+    if DOT_FP32:
+        b_q = b_q.to(tl.float32)
+
+    n_lo = i_g * n_per_prog
+    n_hi = tl.minimum(n_lo + n_per_prog, n_cols)
+    req_todo = tl.where(vis > n_lo, req, BIG_REQ)
+    cur = tl.min(req_todo, axis=0)
+    while cur < BIG_REQ:
+        m_cur = req_todo == cur
+        n_stop = tl.minimum(tl.max(tl.where(m_cur, vis, 0), axis=0), n_hi)
+        for n0 in range(n_lo, n_stop, BLOCK_N):
+            o_b = n0 + o_n
+            m_b = o_b < n_stop
+            page = tl.load(bt_ptr + cur.to(tl.int64) * stride_bt + o_b // ROWS_PER_PAGE, mask=m_b, other=-1)
+            m_kc = m_b & (page >= 0) & (page < num_blocks)
+            p_kc = kc_ptr + page.to(tl.int64)[:, None] * stride_kb + ((o_b % ROWS_PER_PAGE) * stride_kr)[:, None]
+            b_kc = tl.load(p_kc + o_d[None, :], mask=m_kc[:, None], other=0.0)
+            if DOT_FP32:
+                b_kc = b_kc.to(tl.float32)
+            s = tl.dot(b_q, tl.trans(b_kc), input_precision="ieee")         # [BLOCK_R * H_PAD, BLOCK_N]
+            s = tl.where(s < 0.0, 0.0, s)                                    # relu that keeps NaN
+            score = tl.sum(tl.reshape(s, [BLOCK_R, H_PAD, BLOCK_N]), axis=1) * scale
+            p_out = out_ptr + o_r64[:, None] * stride_out + o_b[None, :]
+            if WRITE_KEYS:
+                # Entries past a row's visible count are never read, so only the rare tile with an
+                # invalid table entry needs a per-block mask (key 0: not a candidate).
+                key = score_key(score)
+                if tl.min(m_kc.to(tl.int32), axis=0) == 0:
+                    key = tl.where(m_kc[None, :] | (o_b >= n_stop)[None, :], key, 0)
+                tl.store(p_out, key.to(tl.int32, bitcast=True), mask=m_cur[:, None] & (o_b < n_cols)[None, :])
+            else:
+                m_out = m_cur[:, None] & (o_b[None, :] < vis[:, None])
+                tl.store(p_out, tl.where(m_kc[None, :], score, float("-inf")), mask=m_out)
+        cur = tl.min(tl.where(req_todo > cur, req_todo, BIG_REQ), axis=0)
+
+    if not WRITE_KEYS:
+        for n0 in range(n_lo, n_hi, BLOCK_N):
+            o_b = n0 + o_n
+            p_out = out_ptr + o_r64[:, None] * stride_out + o_b[None, :]
+            m_out = m_r[:, None] & (o_b[None, :] >= vis[:, None]) & (o_b[None, :] < n_hi)
+            tl.store(p_out, tl.full([BLOCK_R, BLOCK_N], float("-inf"), tl.float32), mask=m_out)
+
+
+@triton.jit
+def store_compressed_kernel(
+    kc_new_ptr,   # [T, D] compressed key (kc_ptr's dtype) of the group each token would close
+    grp_ptr,      # [T, 4, D] fp32 raw keys of each token's group, positions 4*(p//4) .. p
+    req_ptr,      # [T] int32/int64 request of each token
+    pos_ptr,      # [T] int32/int64 position of each token
+    bt_ptr,       # [num_reqs, max_blocks] int32 block table
+    kc_ptr,       # [num_blocks, block_size // 4, D] compressed-key cache (written)
+    part_ptr,     # [num_reqs, 3, D] fp32 raw keys of each request's open group (written)
+    T, num_reqs, num_blocks, max_blocks, rows_per_page,
+    stride_kb, stride_kr, stride_bt,
+    D: tl.constexpr,
+):
+    """Token t closing a group (p % 4 == 3) stores its compressed key; the last token of a request in
+    the step whose group stays open stores the group's raw keys so far into the partial buffer."""
+    t = tl.program_id(0)
+    o_d = tl.arange(0, D)
+    req = tl.load(req_ptr + t).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    ok = (req >= 0) & (req < num_reqs) & (pos >= 0)
+    j = pos % 4
+    if ok & (j == 3):
+        b = pos // 4
+        i_page = b // rows_per_page
+        if i_page < max_blocks:
+            page = tl.load(bt_ptr + req * stride_bt + i_page).to(tl.int64)
+            if (page >= 0) & (page < num_blocks):
+                val = tl.load(kc_new_ptr + t.to(tl.int64) * D + o_d)
+                p_kc = kc_ptr + page * stride_kb + (b % rows_per_page) * stride_kr + o_d
+                tl.store(p_kc, val)
+    if ok & (j != 3):
+        t_next = tl.minimum(t + 1, T - 1)
+        req_next = tl.load(req_ptr + t_next).to(tl.int64)
+        pos_next = tl.load(pos_ptr + t_next).to(tl.int64)
+        last = (t + 1 >= T) | (req_next != req) | (pos_next != pos + 1)
+        if last:
+            o_m = tl.arange(0, 4)
+            m_m = o_m[:, None] <= j
+            vals = tl.load(grp_ptr + t.to(tl.int64) * (4 * D) + o_m[:, None] * D + o_d[None, :], mask=m_m)
+            tl.store(part_ptr + req * (3 * D) + o_m[:, None] * D + o_d[None, :], vals, mask=m_m)
