@@ -1,0 +1,172 @@
+"""Timing: medians of CUDA-graph replays with the L2 flushed before each one, a ``do_bench`` fallback
+for code that cannot be captured, wall-clock on the CPU; and the ceilings every run measures.
+
+Ceiling conventions:
+
+* copy bandwidth: a device-to-device ``copy_`` of a 2 GiB buffer; GB/s counts the bytes read plus the
+  bytes written (``2 * size / time``), the usual convention for copy benchmarks. A kernel that only
+  reads is compared against this number, so "80% of the copy bandwidth" means reading at 0.8 x that
+  rate.
+* matmul rate: ``torch.matmul`` of two 8192 x 8192 fp16 matrices of N(0, 1) data (fp32 accumulation in
+  cuBLAS), ``2 * 8192**3`` FLOPs per product.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+FLUSH_BYTES = 256 << 20
+"""Bytes written before each timed replay to evict the previous replay's data from L2 (H200: 60 MB)."""
+
+
+@dataclass
+class TimingConfig:
+    budget_s: float = 0.25  # timed replays per measurement: about this much device time
+    min_reps: int = 5
+    max_reps: int = 100
+    bench_warmup_ms: float = 25.0  # do_bench fallback
+    bench_rep_ms: float = 100.0
+
+
+QUICK_TIMING = TimingConfig(budget_s=0.1, min_reps=5, max_reps=40, bench_warmup_ms=10.0, bench_rep_ms=40.0)
+
+
+@dataclass
+class Timing:
+    median_ms: float
+    reps: int
+    method: str  # "graph", "do_bench" or "wall"
+    min_ms: float | None = None
+    max_ms: float | None = None
+
+
+class Timer:
+    """Times callables on one device. ``fn`` must already have run once (compilation, allocation)."""
+
+    def __init__(self, device, config: TimingConfig | None = None):
+        self.device = torch.device(device)
+        self.config = config or TimingConfig()
+        self._flush = None
+
+    @property
+    def is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def flush_l2(self):
+        if self._flush is None:
+            self._flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=self.device)
+        self._flush.zero_()
+
+    def time(self, fn, *, graph: bool = True) -> Timing:
+        """Median time of ``fn()`` in ms: CUDA-graph replays when ``graph`` and capture works, else
+        ``triton.testing.do_bench`` (median, L2 flushed); on the CPU a wall-clock median."""
+        if not self.is_cuda:
+            return self._time_wall(fn)
+        if graph:
+            try:
+                g = self.capture(fn)
+            except Exception:  # not capturable (host sync, ...): fall back to eager timing
+                torch.cuda.synchronize(self.device)
+                g = None
+            if g is not None:
+                try:
+                    return self._time_replays(g)
+                finally:
+                    del g
+        return self._time_do_bench(fn)
+
+    def capture(self, fn) -> torch.cuda.CUDAGraph:
+        """A CUDA graph of one call of ``fn`` (warmed up on a side stream first, as PyTorch asks)."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        torch.cuda.synchronize(self.device)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        torch.cuda.synchronize(self.device)
+        return g
+
+    def _time_replays(self, g) -> Timing:
+        cfg = self.config
+        g.replay()
+        torch.cuda.synchronize(self.device)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self.flush_l2()
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        est_ms = max(start.elapsed_time(end), 1e-3)
+        reps = int(min(cfg.max_reps, max(cfg.min_reps, cfg.budget_s * 1e3 / est_ms)))
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(reps)]
+        for s, e in events:
+            self.flush_l2()
+            s.record()
+            g.replay()
+            e.record()
+        torch.cuda.synchronize(self.device)
+        times = [s.elapsed_time(e) for s, e in events]
+        return Timing(statistics.median(times), reps, "graph", min(times), max(times))
+
+    def _time_do_bench(self, fn) -> Timing:
+        from triton.testing import do_bench
+
+        cfg = self.config
+        ms = do_bench(fn, warmup=cfg.bench_warmup_ms, rep=cfg.bench_rep_ms, return_mode="median")
+        return Timing(float(ms), 0, "do_bench")
+
+    def _time_wall(self, fn, reps: int = 3) -> Timing:
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return Timing(statistics.median(times), reps, "wall", min(times), max(times))
+
+
+def measure_ceilings(timer: Timer) -> dict:
+    """Copy bandwidth (GB/s, read + write bytes) and fp16 matmul rate (TFLOP/s) of the device."""
+    dev = timer.device
+    if timer.is_cuda:
+        copy_bytes, n = 2 << 30, 8192
+    else:
+        copy_bytes, n = 64 << 20, 256
+    gen = torch.Generator(device=dev).manual_seed(0)
+    a = torch.randn(n, n, device=dev, dtype=torch.float16, generator=gen)
+    b = torch.randn(n, n, device=dev, dtype=torch.float16, generator=gen)
+    c = torch.empty(n, n, device=dev, dtype=torch.float16)
+    if timer.is_cuda:
+        # An idle GPU sits at a low clock: run about half a second of products before measuring.
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 0.5:
+            for _ in range(20):
+                torch.matmul(a, b, out=c)
+            torch.cuda.synchronize(dev)
+    torch.matmul(a, b, out=c)
+    t_mm = timer.time(lambda: torch.matmul(a, b, out=c))
+    del a, b, c
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
+    src.random_(0, 255)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t_copy = timer.time(lambda: dst.copy_(src))
+    del src, dst
+    if timer.is_cuda:
+        torch.cuda.empty_cache()
+    return dict(
+        copy_gbps=2 * copy_bytes / (t_copy.median_ms * 1e-3) / 1e9,
+        copy_bytes=copy_bytes,
+        copy_convention="device-to-device copy_; GB/s = (bytes read + bytes written) / time",
+        matmul_tflops=2 * n**3 / (t_mm.median_ms * 1e-3) / 1e12,
+        matmul_shape=[n, n, n],
+        matmul_dtype="fp16",
+        timing=t_copy.method,
+    )

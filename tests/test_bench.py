@@ -1,0 +1,328 @@
+"""The benchmark suite on the CPU: generators, references, the correctness gate, target evaluation and a
+tiny end-to-end run under the Triton interpreter (JSON schema, docs)."""
+
+import dataclasses
+import json
+import math
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout root
+
+from benchmarks import registry, run  # noqa: E402
+from benchmarks.baselines import (exact_selection, naive_attention,  # noqa: E402
+                                  reference_attention_fp32, selection_check)
+from benchmarks.generators import (adjacent_overlap, block_sets, expand_blocks, row_layout,  # noqa: E402
+                                   selection_stats, walk_blocks)
+from qsa.reference import make_attention_case, reference_attention  # noqa: E402
+
+
+# ------------------------------------------------------------------------------------------------
+# generators
+
+
+@pytest.mark.parametrize("overlap, lo, hi", [(0.8, 0.75, 0.85), (0.98, 0.97, 1.0), (0.5, 0.45, 0.55)])
+def test_walk_hits_requested_overlap(overlap, lo, hi):
+    req, pos = row_layout(256, 1, 8192)
+    seq = np.array([8192])
+    blocks = walk_blocks(req, pos, seq, topk=64, overlap=overlap, seed=1)
+    assert ((blocks >= 0).sum(1) == 64).all()
+    assert all(len(set(r.tolist())) == 64 for r in blocks)
+    assert (np.diff(blocks, axis=1) > 0).all()
+    vis = np.minimum((pos + 1) // 4, 8192 // 4)
+    assert (blocks < vis[:, None]).all()
+    big = torch.iinfo(torch.int64).max
+    b = torch.where(torch.from_numpy(blocks) >= 0, torch.from_numpy(blocks), big)
+    got = adjacent_overlap(b, torch.from_numpy(req))
+    assert lo <= got <= hi, got
+    assert abs(got - overlap) < 0.02
+
+
+def test_walk_dense_rows_and_new_requests():
+    # Rows whose visible range is at most topk select everything visible; a new request restarts.
+    req = np.array([0, 0, 0, 1, 1])
+    pos = np.array([9, 10, 63, 60, 61])
+    blocks = walk_blocks(req, pos, np.array([64, 64]), topk=8, overlap=0.8, seed=0)
+    assert blocks[0].tolist() == [0, 1, -1, -1, -1, -1, -1, -1]     # visible (9 + 1) // 4 = 2
+    assert blocks[1].tolist() == [0, 1, -1, -1, -1, -1, -1, -1]
+    assert ((blocks[2:] >= 0).sum(1) == 8).all()
+
+
+def test_expand_blocks_matches_selection_format():
+    blocks = torch.tensor([[1, 3, -1], [0, 2, 5]])
+    pos = torch.tensor([14, 22])
+    seq = torch.tensor([15, 22])
+    out = expand_blocks(blocks, pos, seq)
+    assert out.dtype == torch.int32
+    # row 0: blocks 1, 3 -> 4..7, 12..15 (15 >= seq_len 15 -> -1); tail (15 // 4) * 4 = 12..14.
+    assert out[0].tolist() == [4, 5, 6, 7, 12, 13, 14, -1, 12, 13, 14, -1, -1, -1, -1]
+    # row 1: tail 20..22 but 22 >= seq_len 22.
+    assert out[1].tolist() == [0, 1, 2, 3, 8, 9, 10, 11, 20, 21, -1, -1, 20, 21, -1]
+
+
+def test_selection_stats_counts_unions_and_sets():
+    case = make_attention_case(rows=16, num_reqs=2, width=24, messy=True, padding_rows=2, seed=4)
+    kw = case.plan_inputs()
+    st = selection_stats(kw["indices"], kw["block_table"], kw["token_to_req"], kw["positions"], kw["seq_lens"],
+                         block_size=kw["block_size"], num_blocks=kw["num_blocks"])
+    from qsa.reference import _kept_tokens
+
+    idx, t2r, pos = case.indices.tolist(), case.token_to_req.tolist(), case.positions.tolist()
+    lens, table = case.seq_lens.tolist(), case.block_table.tolist()
+    sets = [_kept_tokens(idx[r], t2r[r], pos[r], lens, table, kw["block_size"], kw["num_blocks"])
+            for r in range(16)]
+    assert st["set_sizes"].tolist() == [len(s) for s in sets]
+    bs = kw["block_size"]
+    unions = []
+    for g in range(2):
+        mbs = {table[t2r[r]][t // bs] * (bs // 4) + (t % bs) // 4 for r in range(8 * g, 8 * g + 8) for t in sets[r]}
+        unions.append(len(mbs))
+    assert st["union_total"] == sum(unions)
+    assert st["avg_union_per_group"] == pytest.approx(sum(unions) / 2)
+
+
+def test_block_sets_excludes_tail():
+    tokens = torch.tensor([[0, 1, 2, 3, 12, 13, 17]])
+    keep = torch.ones_like(tokens, dtype=torch.bool)
+    b = block_sets(tokens, keep, torch.tensor([4]))
+    big = torch.iinfo(torch.int64).max
+    assert b[0].tolist() == [0, 3] + [big] * 5
+
+
+# ------------------------------------------------------------------------------------------------
+# references and baselines
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("heads", [(2, 1), (4, 2)])
+def test_fp32_reference_and_naive_match_fp64_reference(kv_cache_dtype, heads):
+    case = make_attention_case(rows=13, num_q_heads=heads[0], num_kv_heads=heads[1],
+                               kv_cache_dtype=kv_cache_dtype, seed=3)
+    c = case.cache
+    args = (case.q, c.k, c.v, case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens)
+    kw = dict(kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale, v_scale=c.v_scale)
+    ref, _ = reference_attention(*args, **kw)
+    fp32 = reference_attention_fp32(*args, **kw)
+    naive = naive_attention(*args, **kw)
+    assert fp32.dtype == torch.float32 and naive.dtype == case.q.dtype
+    assert (fp32.double() - ref).abs().max() < 1e-5
+    assert torch.isfinite(naive).all()
+    assert (naive.double() - ref).abs().max() < 4e-3
+    # chunking changes nothing but BLAS rounding
+    from benchmarks.baselines import chunked_attention
+
+    one = chunked_attention(*args, compute_dtype=torch.float32, chunk_rows=1, **kw)
+    assert (one - fp32).abs().max() < 1e-6
+
+
+def test_exact_selection_matches_loop_reference():
+    from qsa.indexer_reference import select_tokens_reference
+
+    from benchmarks.generators import selection_workload
+
+    scn = registry.BY_NAME["tiny-selection"]
+    sw = selection_workload(scn, "cpu")
+    exact, scores_of = exact_selection(*sw.args, k=scn.topk)
+    ref = select_tokens_reference(*sw.args, k=scn.topk)
+    assert torch.equal(exact, ref.to(exact.dtype))
+    chk = selection_check(exact, exact, scores_of, sw.token_to_req, k=scn.topk)
+    assert chk == dict(exact=True, rows_differ=0, tie_equivalent=True)
+    # A selection that swaps a chosen block for a worse one is neither exact nor tie-equivalent.
+    bad = exact.clone()
+    bad[-1, 0:4] = torch.tensor([0, 1, 2, 3], dtype=bad.dtype) if int(bad[-1, 0]) != 0 else bad[-1, 0:4] + 4
+    chk = selection_check(bad, exact, scores_of, sw.token_to_req, k=scn.topk)
+    assert not chk["exact"] and chk["rows_differ"] == 1 and not chk["tie_equivalent"]
+
+
+# ------------------------------------------------------------------------------------------------
+# the correctness gate
+
+
+def test_gate_bounds_and_rejection():
+    ref = torch.randn(32, 2, 16)
+    good = ref.half()
+    yard = run.output_errors((ref + 1e-3 * torch.randn_like(ref)).half(), ref)
+    bounds = run.gate_bounds(ref, torch.float16, yard)
+    assert bounds["yardstick"] == "naive"
+    assert run.gate(run.output_errors(good, ref), bounds)
+    zeros = torch.zeros_like(good)
+    assert not run.gate(run.output_errors(zeros, ref), bounds)
+    nan = good.clone()
+    nan[3, 1, 2] = float("nan")
+    e = run.output_errors(nan, ref)
+    assert not e["finite"] and not run.gate(e, bounds)
+    fixed = run.gate_bounds(ref, torch.float16, None)
+    assert fixed["yardstick"] == "fixed"
+    assert run.gate(run.output_errors(good, ref), fixed)
+
+
+def _tiny_suite():
+    return run.Suite("cpu")
+
+
+def test_gate_rejects_a_wrong_route_and_reports_no_time():
+    suite = _tiny_suite()
+
+    def dropped_token_route(route, scn, w, state):
+        # splitk, but each row loses its last selected token: a subtle, plausible bug.
+        idx = w.indices.clone()
+        last = (idx >= 0).sum(1) - 1
+        idx[torch.arange(idx.shape[0]), last] = -1
+        return suite._kernel_route("splitk", scn, dataclasses.replace(w, indices=idx), state)
+
+    def zeros_route(route, scn, w, state):
+        out = torch.empty_like(w.q)
+        return (lambda: out.zero_()), out, True
+
+    suite.route_builders["dropped"] = dropped_token_route
+    suite.route_builders["zeros"] = zeros_route
+    scn = dataclasses.replace(registry.BY_NAME["tiny-prefill"], rows=9, routes=("splitk", "dropped", "zeros", "naive"))
+    meta = suite.run(scn)
+    assert meta["error"] is None, meta["error"]
+    recs = {r["route"]: r for r in suite.records if r["scenario"] == scn.name}
+    assert recs["splitk"]["passed"] and recs["splitk"]["median_ms"] is not None
+    for wrong in ("dropped", "zeros"):
+        assert recs[wrong]["passed"] is False, recs[wrong]
+        assert recs[wrong]["median_ms"] is None and recs[wrong]["tflops"] is None
+        assert "correctness gate failed" in recs[wrong]["error"]
+    assert recs["naive"]["passed"]
+
+
+def test_failing_scenario_is_recorded_and_run_goes_on():
+    suite = _tiny_suite()
+    broken = dataclasses.replace(registry.BY_NAME["tiny-decode"], name="broken", rows=4, num_reqs=3)
+    meta = suite.run(broken)
+    assert meta["error"] and "multiple of num_reqs" in meta["error"]
+    ok = suite.run(dataclasses.replace(registry.BY_NAME["tiny-decode"], routes=("naive",)))
+    assert ok["error"] is None
+
+
+# ------------------------------------------------------------------------------------------------
+# targets
+
+
+def _rec(scenario, route, ms, passed=True, **kw):
+    return dict(scenario=scenario, route=route, kind="route", median_ms=ms, passed=passed, **kw)
+
+
+def _meta(name, requested, measured):
+    return dict(name=name, overlap_requested=requested, overlap=measured)
+
+
+def test_target_evaluation_with_synthetic_numbers():
+    records = [
+        _rec("prefill-64k-o80", "naive", 40.0), _rec("prefill-64k-o80", "splitk", 3.0),
+        _rec("prefill-64k-o80", "grouped", 1.2), _rec("prefill-64k-o80", "planner", 0.1),
+        _rec("prefill-64k-o98", "splitk", 3.0), _rec("prefill-64k-o98", "grouped", 0.5, tflops=160.0),
+        _rec("prefill-128k-o80", "splitk", 3.0), _rec("prefill-128k-o80", "grouped", 0.9),
+        _rec("decode-64", "xqa", 0.05, gbps=3600.0), _rec("decode-256", "xqa", 0.2, gbps=3000.0),
+        _rec("mtp-8", "splitk", 0.03), _rec("mtp-8", "xqa", 0.025), _rec("mtp-8", "grouped", 0.018),
+        _rec("mtp-16", "splitk", 0.03), _rec("mtp-16", "grouped", 0.04, passed=False),
+        _rec("mtp-16", "xqa", 0.025),
+        _rec("selection-8192x16384", "select", 1.0, exact=True),
+        _rec("selection-8192x16384", "torch-select", 6.0),
+    ]
+    scenarios = {"prefill-64k-o80": _meta("prefill-64k-o80", 0.8, 0.80),
+                 "prefill-64k-o98": _meta("prefill-64k-o98", 0.98, 0.975),
+                 "prefill-128k-o80": _meta("prefill-128k-o80", 0.8, 0.86)}
+    t = {x["name"]: x for x in run.evaluate_targets(records, scenarios, {"copy_gbps": 4250.0})}
+    assert set(t) == {name for name, *_ in run.TARGETS}
+    assert t["splitk-vs-naive-prefill-64k"]["value"] == pytest.approx(40 / 3) and t["splitk-vs-naive-prefill-64k"]["met"]
+    assert t["prefill-64k-o98-grouped-vs-splitk"]["value"] == pytest.approx(6.0)
+    assert t["prefill-64k-o98-grouped-vs-splitk"]["met"]
+    assert t["prefill-64k-o80-grouped-vs-splitk"]["value"] == pytest.approx(2.5)
+    assert t["prefill-64k-o80-grouped-vs-splitk"]["met"] is False
+    # 128k: fast enough, but its measured overlap 0.86 is outside [0.75, 0.85]: not met.
+    assert t["prefill-128k-o80-grouped-vs-splitk"]["value"] > 3
+    assert t["prefill-128k-o80-grouped-vs-splitk"]["met"] is False
+    assert "overlap" in t["prefill-128k-o80-grouped-vs-splitk"]["note"]
+    assert t["prefill-64k-o98-grouped-tflops"]["met"]
+    assert t["prefill-64k-planner-share"]["value"] == pytest.approx(0.1 / 1.2)
+    assert t["prefill-64k-planner-share"]["met"]
+    assert t["decode-64-xqa-bandwidth"]["value"] == pytest.approx(3600 / 4250)
+    assert t["decode-64-xqa-bandwidth"]["met"]
+    assert t["decode-256-xqa-bandwidth"]["met"] is False
+    assert t["mtp-8-best-vs-splitk"]["value"] == pytest.approx(0.03 / 0.018)
+    assert t["mtp-8-best-vs-splitk"]["met"]
+    # a route that failed its check is never the best
+    assert t["mtp-16-best-vs-splitk"]["value"] == pytest.approx(0.03 / 0.025)
+    assert t["mtp-16-best-vs-splitk"]["met"] is False
+    assert t["selection-8192x16384-vs-torch"]["value"] == pytest.approx(6.0)
+    assert t["selection-8192x16384-vs-torch"]["met"]
+    # not exact -> not met, whatever the speed
+    records[-2]["exact"] = False
+    t2 = {x["name"]: x for x in run.evaluate_targets(records, scenarios, None)}
+    assert t2["selection-8192x16384-vs-torch"]["met"] is False
+    assert t2["decode-64-xqa-bandwidth"]["met"] is None  # no ceilings measured
+
+
+def test_targets_not_measured_are_null():
+    t = run.evaluate_targets([], {}, None)
+    assert all(x["value"] is None and x["met"] is None and x["note"] for x in t)
+
+
+# ------------------------------------------------------------------------------------------------
+# end to end
+
+
+def test_registry_names_and_selection():
+    names = [s.name for s in registry.SCENARIOS]
+    for required in ("prefill-64k-o80", "prefill-64k-o98", "prefill-128k-o80", "prefill-8k-o80", "mtp-5",
+                     "mtp-8", "mtp-16", "decode-1", "decode-16", "decode-64", "decode-256",
+                     "selection-8192x16384", "prefill-64k-o80-12x1", "prefill-64k-o80-24x2",
+                     "prefill-64k-o80-fp8", "prefill-64k-o80-bf16"):
+        assert required in names
+    quick = [s.name for s in registry.select(None, quick=True)]
+    assert quick == ["prefill-64k-o80", "prefill-64k-o98", "decode-64", "mtp-8", "selection-8192x16384"]
+    assert not any(s.test_only for s in registry.select(None))
+    assert [s.name for s in registry.select(["tiny-*"])] == ["tiny-prefill", "tiny-decode", "tiny-selection"]
+    for name, scn, *_ in run.TARGETS:
+        assert scn in names, (name, scn)
+
+
+def test_end_to_end_tiny_run(tmp_path, capsys):
+    out, docs = tmp_path / "results", tmp_path / "docs"
+    rc = run.main(["--scenario", "tiny-*", "--out", str(out), "--docs", str(docs)])
+    assert rc == 0
+    latest = json.loads((out / "latest.json").read_text())
+    dated = [p for p in out.glob("*.json") if p.name != "latest.json"]
+    assert len(dated) == 1 and json.loads(dated[0].read_text()) == latest
+    for key in ("schema", "device", "date", "complete", "ceilings", "scenarios", "records", "targets", "versions"):
+        assert key in latest
+    assert latest["complete"] and latest["device"] == "cpu"
+    assert latest["ceilings"]["copy_gbps"] > 0 and latest["ceilings"]["matmul_tflops"] > 0
+    assert [s["name"] for s in latest["scenarios"]] == ["tiny-prefill", "tiny-decode", "tiny-selection"]
+    assert all(s["error"] is None for s in latest["scenarios"]), [s["error"] for s in latest["scenarios"]]
+    prefill = latest["scenarios"][0]
+    assert 0.6 < prefill["overlap"] <= 1.0 and prefill["avg_union_per_group"] > 0 and prefill["sharing"] > 1
+    fields = {"scenario", "route", "kind", "passed", "median_ms", "tflops", "gbps", "vs_splitk", "max_abs_err",
+              "rel_l2_err", "error"}
+    recs = latest["records"]
+    assert all(fields <= set(r) for r in recs)
+    by = {(r["scenario"], r["route"]): r for r in recs}
+    for route in ("grouped", "xqa", "splitk", "naive"):
+        r = by[("tiny-prefill", route)]
+        assert r["passed"] and r["median_ms"] > 0 and r["max_abs_err"] < r["bound_abs"], r
+        assert r["tflops"] > 0 and r["gbps"] > 0
+    assert by[("tiny-prefill", "splitk")]["vs_splitk"] == pytest.approx(1.0)
+    assert by[("tiny-prefill", "grouped")]["replay_equal"]
+    assert by[("tiny-prefill", "planner")]["median_ms"] > 0
+    assert by[("tiny-prefill", "floor-bytes-grouped")]["bytes"] < by[("tiny-prefill", "floor-bytes-row")]["bytes"]
+    for route in ("xqa", "splitk", "naive"):
+        assert by[("tiny-decode", route)]["passed"]
+    assert by[("tiny-selection", "select")]["exact"] and by[("tiny-selection", "select")]["median_ms"] > 0
+    assert by[("tiny-selection", "torch-select")]["passed"]
+    assert by[("tiny-selection", "select")]["vs_torch"] > 0
+    names = {t["name"] for t in latest["targets"]}
+    assert names == {name for name, *_ in run.TARGETS}
+    assert all(set(t) >= {"name", "value", "goal", "met"} for t in latest["targets"])
+    md = (docs / "benchmarks.md").read_text()
+    assert "| tiny-prefill | grouped |" in md and "## Targets" in md and dated[0].name in md
+    text = capsys.readouterr().out
+    assert "tiny-selection" in text and "target" in text
+    assert not any(isinstance(v, float) and (math.isnan(v) or math.isinf(v))
+                   for r in recs for v in r.values())
