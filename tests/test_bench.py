@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout root
 
-from benchmarks import registry, run  # noqa: E402
+from benchmarks import registry, report, run  # noqa: E402
 from benchmarks.baselines import (exact_selection, naive_attention,  # noqa: E402
                                   reference_attention_fp32, selection_check)
 from benchmarks.generators import (adjacent_overlap, block_sets, expand_blocks, row_layout,  # noqa: E402
@@ -229,8 +229,8 @@ def test_target_evaluation_with_synthetic_numbers():
     scenarios = {"prefill-64k-o80": _meta("prefill-64k-o80", 0.8, 0.80),
                  "prefill-64k-o98": _meta("prefill-64k-o98", 0.98, 0.975),
                  "prefill-128k-o80": _meta("prefill-128k-o80", 0.8, 0.86)}
-    t = {x["name"]: x for x in run.evaluate_targets(records, scenarios, {"copy_gbps": 4250.0})}
-    assert set(t) == {name for name, *_ in run.TARGETS}
+    t = {x["name"]: x for x in report.evaluate_targets(records, scenarios, {"copy_gbps": 4250.0})}
+    assert set(t) == {name for name, *_ in report.TARGETS}
     assert t["splitk-vs-naive-prefill-64k"]["value"] == pytest.approx(40 / 3) and t["splitk-vs-naive-prefill-64k"]["met"]
     assert t["prefill-64k-o98-grouped-vs-splitk"]["value"] == pytest.approx(6.0)
     assert t["prefill-64k-o98-grouped-vs-splitk"]["met"]
@@ -255,13 +255,13 @@ def test_target_evaluation_with_synthetic_numbers():
     assert t["selection-8192x16384-vs-torch"]["met"]
     # not exact -> not met, whatever the speed
     records[-2]["exact"] = False
-    t2 = {x["name"]: x for x in run.evaluate_targets(records, scenarios, None)}
+    t2 = {x["name"]: x for x in report.evaluate_targets(records, scenarios, None)}
     assert t2["selection-8192x16384-vs-torch"]["met"] is False
     assert t2["decode-64-xqa-bandwidth"]["met"] is None  # no ceilings measured
 
 
 def test_targets_not_measured_are_null():
-    t = run.evaluate_targets([], {}, None)
+    t = report.evaluate_targets([], {}, None)
     assert all(x["value"] is None and x["met"] is None and x["note"] for x in t)
 
 
@@ -280,7 +280,7 @@ def test_registry_names_and_selection():
     assert quick == ["prefill-64k-o80", "prefill-64k-o98", "decode-64", "mtp-8", "selection-8192x16384"]
     assert not any(s.test_only for s in registry.select(None))
     assert [s.name for s in registry.select(["tiny-*"])] == ["tiny-prefill", "tiny-decode", "tiny-selection"]
-    for name, scn, *_ in run.TARGETS:
+    for name, scn, *_ in report.TARGETS:
         assert scn in names, (name, scn)
 
 
@@ -318,7 +318,7 @@ def test_end_to_end_tiny_run(tmp_path, capsys):
     assert by[("tiny-selection", "torch-select")]["passed"]
     assert by[("tiny-selection", "select")]["vs_torch"] > 0
     names = {t["name"] for t in latest["targets"]}
-    assert names == {name for name, *_ in run.TARGETS}
+    assert names == {name for name, *_ in report.TARGETS}
     assert all(set(t) >= {"name", "value", "goal", "met"} for t in latest["targets"])
     md = (docs / "benchmarks.md").read_text()
     assert "| tiny-prefill | grouped |" in md and "## Targets" in md and dated[0].name in md

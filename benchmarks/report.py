@@ -1,0 +1,359 @@
+"""Reports of a benchmark run: the targets, ``latest.json``, the text and Markdown tables, the plot."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import re
+from pathlib import Path
+
+SCHEMA_VERSION = 1
+
+
+# ------------------------------------------------------------------------------------------------
+# targets
+
+
+TARGETS = (
+    # name, scenario, op, goal, unit, what
+    ("splitk-vs-naive-prefill-64k", "prefill-64k-o80", ">=", 10.0, "x",
+     "naive PyTorch time / splitk time"),
+    ("prefill-64k-o98-grouped-vs-splitk", "prefill-64k-o98", ">=", 5.0, "x",
+     "splitk time / grouped time (planner included)"),
+    ("prefill-64k-o80-grouped-vs-splitk", "prefill-64k-o80", ">=", 3.0, "x",
+     "splitk time / grouped time (planner included)"),
+    ("prefill-128k-o80-grouped-vs-splitk", "prefill-128k-o80", ">=", 3.0, "x",
+     "splitk time / grouped time (planner included)"),
+    ("prefill-64k-o98-grouped-tflops", "prefill-64k-o98", ">=", 150.0, "TFLOP/s",
+     "effective TFLOP/s of grouped on useful FLOPs, planner included"),
+    ("prefill-64k-planner-share", "prefill-64k-o80", "<=", 0.15, "fraction",
+     "planner time / grouped time (planner included)"),
+    ("decode-64-xqa-bandwidth", "decode-64", ">=", 0.80, "fraction",
+     "xqa effective GB/s / measured copy GB/s"),
+    ("decode-256-xqa-bandwidth", "decode-256", ">=", 0.80, "fraction",
+     "xqa effective GB/s / measured copy GB/s"),
+    ("mtp-8-best-vs-splitk", "mtp-8", ">=", 1.5, "x", "splitk time / best route time"),
+    ("mtp-16-best-vs-splitk", "mtp-16", ">=", 1.5, "x", "splitk time / best route time"),
+    ("selection-8192x16384-vs-torch", "selection-8192x16384", ">=", 5.0, "x",
+     "torch_select_baseline time / select_tokens time; select_tokens must be exact"),
+)
+
+OVERLAP_BANDS = {0.8: (0.75, 0.85), 0.98: (0.97, 1.0)}
+"""Measured overlap a scenario must show for its requested overlap to count ("0.8" and "0.98")."""
+
+
+def _passed_ms(records, scenario, route):
+    for r in records:
+        if r["scenario"] == scenario and r["route"] == route and r.get("passed") and r.get("median_ms"):
+            return r["median_ms"]
+    return None
+
+
+def _record(records, scenario, route):
+    for r in records:
+        if r["scenario"] == scenario and r["route"] == route:
+            return r
+    return None
+
+
+def overlap_ok(meta: dict | None) -> tuple[bool, str]:
+    """Whether a scenario's measured overlap is inside the band of its requested overlap."""
+    if meta is None:
+        return False, "scenario not run"
+    want, got = meta.get("overlap_requested"), meta.get("overlap")
+    band = OVERLAP_BANDS.get(want)
+    if band is None:
+        return True, ""
+    if got is None or not band[0] <= got <= band[1]:
+        return False, f"measured overlap {got} outside [{band[0]}, {band[1]}]"
+    return True, ""
+
+
+def evaluate_targets(records: list, scenarios: dict, ceilings: dict | None) -> list:
+    """The ``targets`` list: ``{name, value, goal, op, unit, met, scenario, what, note}``.
+
+    ``met`` is None when the value could not be measured (scenario not run, a route failed its check
+    or errored); ``note`` says why.
+    """
+    out = []
+    for name, scn, op, goal, unit, what in TARGETS:
+        value, note, extra_ok = None, "", True
+        meta = scenarios.get(scn)
+        try:
+            if name == "splitk-vs-naive-prefill-64k":
+                for s in ("prefill-64k-o80", "prefill-64k-o98"):
+                    naive, splitk = _passed_ms(records, s, "naive"), _passed_ms(records, s, "splitk")
+                    if naive and splitk:
+                        value, scn = naive / splitk, s
+                        break
+            elif name.endswith("-grouped-vs-splitk"):
+                g, s = _passed_ms(records, scn, "grouped"), _passed_ms(records, scn, "splitk")
+                value = s / g if g and s else None
+                extra_ok, note = overlap_ok(meta)
+            elif name == "prefill-64k-o98-grouped-tflops":
+                rec = _record(records, scn, "grouped")
+                value = rec.get("tflops") if rec and rec.get("passed") else None
+                extra_ok, note = overlap_ok(meta)
+            elif name == "prefill-64k-planner-share":
+                p, g = _passed_ms(records, scn, "planner"), _passed_ms(records, scn, "grouped")
+                value = p / g if p and g else None
+                extra_ok, note = overlap_ok(meta)
+            elif name.endswith("-xqa-bandwidth"):
+                rec = _record(records, scn, "xqa")
+                if rec and rec.get("passed") and rec.get("gbps") and ceilings and ceilings.get("copy_gbps"):
+                    value = rec["gbps"] / ceilings["copy_gbps"]
+            elif name.endswith("-best-vs-splitk"):
+                s = _passed_ms(records, scn, "splitk")
+                best = [t for t in (_passed_ms(records, scn, r) for r in ("grouped", "xqa")) if t]
+                value = s / min(best) if s and best else None
+            elif name == "selection-8192x16384-vs-torch":
+                sel, base = _passed_ms(records, scn, "select"), _passed_ms(records, scn, "torch-select")
+                rec = _record(records, scn, "select")
+                value = base / sel if sel and base else None
+                extra_ok = bool(rec and rec.get("exact"))
+                if rec is not None and not extra_ok:
+                    note = "select_tokens is not exact"
+        except (TypeError, ZeroDivisionError) as e:  # malformed records: report, do not crash
+            value, note = None, f"could not evaluate: {e}"
+        if value is None:
+            met = None
+            if not note:
+                note = "not measured (scenario not run, or a route failed its check or errored)"
+        else:
+            met = bool((value >= goal) if op == ">=" else (value <= goal)) and extra_ok
+        out.append(dict(name=name, value=value, goal=goal, op=op, unit=unit, met=met, scenario=scn,
+                        what=what, note=note))
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# files and tables
+
+
+def _fmt(x, spec=".3g"):
+    if x is None:
+        return "-"
+    if isinstance(x, bool):
+        return "yes" if x else "NO"
+    if isinstance(x, float):
+        if math.isinf(x) or math.isnan(x):
+            return str(x)
+        return format(x, spec)
+    return str(x)
+
+
+def device_info(device) -> dict:
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        p = torch.cuda.get_device_properties(dev)
+        return dict(name=p.name, capability=f"{p.major}.{p.minor}", sm_count=p.multi_processor_count,
+                    memory_gib=round(p.total_memory / 2**30, 1))
+    return dict(name="cpu", capability=None, sm_count=os.cpu_count(), memory_gib=None)
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "device"
+
+
+def build_report(suite, *, started: datetime.datetime, quick: bool, complete: bool, argv) -> dict:
+    import torch
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # triton missing: the report still says what ran
+        triton_version = None
+    try:
+        import qsa
+
+        qsa_version = qsa.__version__
+    except Exception:
+        qsa_version = None
+    info = device_info(suite.device)
+    return dict(
+        schema=SCHEMA_VERSION,
+        device=info["name"],
+        device_info=info,
+        date=started.isoformat(timespec="seconds"),
+        complete=complete,
+        quick=quick,
+        argv=list(argv),
+        versions=dict(python=platform.python_version(), torch=torch.__version__, triton=triton_version,
+                      qsa=qsa_version),
+        ceilings=suite.ceilings,
+        scenarios=list(suite.scenarios.values()),
+        records=suite.records,
+        targets=evaluate_targets(suite.records, suite.scenarios, suite.ceilings),
+        fatal_error=suite.fatal,
+    )
+
+
+def write_json(path: Path, data: dict):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def sanitize(obj):
+    """JSON has no inf/NaN: write them as strings."""
+    if isinstance(obj, float) and (math.isinf(obj) or math.isnan(obj)):
+        return str(obj)
+    if isinstance(obj, dict):
+        return {k: sanitize(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [sanitize(v) for v in obj]
+    return obj
+
+
+RESULT_COLUMNS = ("scenario", "route", "ms", "TFLOP/s", "GB/s", "x splitk", "max abs", "rel L2", "check")
+
+
+def result_rows(report: dict) -> list:
+    rows = []
+    for r in report["records"]:
+        ratio = r.get("vs_splitk") if r.get("vs_splitk") is not None else r.get("vs_torch")
+        if r["kind"] == "floor":
+            check = "model"
+        elif r.get("error") and not r.get("passed"):
+            check = "FAIL" if r.get("max_abs_err") is not None or r.get("rows_differ") else "ERROR"
+        else:
+            check = {True: "ok", False: "FAIL", None: "-"}[r.get("passed")]
+        rows.append((r["scenario"], r["route"], _fmt(r.get("median_ms"), ".4g"), _fmt(r.get("tflops"), ".1f"),
+                     _fmt(r.get("gbps"), ".0f"), _fmt(ratio, ".2f"), _fmt(r.get("max_abs_err"), ".2e"),
+                     _fmt(r.get("rel_l2_err"), ".2e"), check))
+    return rows
+
+
+def text_table(columns, rows) -> str:
+    widths = [max(len(str(c)), *(len(str(r[i])) for r in rows)) if rows else len(str(c))
+              for i, c in enumerate(columns)]
+    line = "  ".join(str(c).ljust(w) for c, w in zip(columns, widths))
+    out = [line, "  ".join("-" * w for w in widths)]
+    out += ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)) for r in rows]
+    return "\n".join(out)
+
+
+def md_table(columns, rows) -> str:
+    out = ["| " + " | ".join(columns) + " |", "|" + "|".join(" --- " for _ in columns) + "|"]
+    out += ["| " + " | ".join(str(v).replace("|", "/") for v in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def target_rows(report: dict) -> list:
+    return [(t["name"], _fmt(t["value"], ".3g"), f"{t['op']} {t['goal']:g} {t['unit']}",
+             {True: "yes", False: "NO", None: "not measured"}[t["met"]], t.get("note") or "")
+            for t in report["targets"]]
+
+
+def scenario_rows(report: dict) -> list:
+    return [(s["name"], s["description"], _fmt(s.get("overlap"), ".3f"), _fmt(s.get("avg_union_per_group"), ".0f"),
+             _fmt(s.get("sharing"), ".2f"), _fmt(s.get("elapsed_s"), ".1f"),
+             (s.get("error") or "").splitlines()[0][:120] if s.get("error") else "")
+            for s in report["scenarios"]]
+
+
+SCENARIO_COLUMNS = ("scenario", "workload", "overlap", "avg union / group (microblocks)", "sharing", "s", "error")
+TARGET_COLUMNS = ("target", "value", "goal", "met", "note")
+
+
+def write_markdown(report: dict, path: Path, *, plot: Path | None, history: list):
+    c = report.get("ceilings") or {}
+    lines = [
+        "# Benchmarks",
+        "",
+        f"Generated by `qsa bench` (`benchmarks/run.py`) on **{report['device']}**, {report['date']}"
+        f"{' (`--quick`)' if report['quick'] else ''}{'' if report['complete'] else ' (incomplete run)'}. "
+        "Definitions of every column: `benchmarks/README.md`. Times are medians of CUDA-graph replays with "
+        "L2 flushed before each; grouped times include the planner; no time is reported for a route that "
+        "fails its check against the fp32 reference.",
+        "",
+        f"Ceilings measured in this run: copy **{_fmt(c.get('copy_gbps'), '.0f')} GB/s** (bytes read + "
+        f"written), fp16 matmul **{_fmt(c.get('matmul_tflops'), '.0f')} TFLOP/s**.",
+        "",
+        "## Targets",
+        "",
+        md_table(TARGET_COLUMNS, target_rows(report)),
+        "",
+        "## Scenarios",
+        "",
+        md_table(SCENARIO_COLUMNS, scenario_rows(report)),
+        "",
+        "## Results",
+        "",
+        "`x splitk`: splitk time / route time (selection: torch baseline time / route time). Floors: bytes "
+        "the route must read at the copy bandwidth, useful FLOPs at the matmul rate.",
+        "",
+        md_table(RESULT_COLUMNS, result_rows(report)),
+        "",
+    ]
+    if plot is not None:
+        lines += [f"![time per route per scenario]({os.path.relpath(plot, path.parent)})", ""]
+    if history:
+        lines += ["## History", ""]
+        lines += [f"- [{h.name}]({os.path.relpath(h, path.parent)})" for h in history]
+        lines += [""]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines))
+
+
+PLOT_ROUTES = ("grouped", "xqa", "splitk", "naive", "floor-bytes-grouped", "floor-bytes-row", "floor-flops",
+               "select", "torch-select")
+
+
+def write_plot(report: dict, path: Path) -> str | None:
+    """Bar chart of time per route per scenario (log scale); returns a note when it cannot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except Exception as e:  # matplotlib missing: skip the plot
+        return f"plot skipped: matplotlib not importable ({type(e).__name__})"
+    recs = [r for r in report["records"] if r.get("median_ms") and r["route"] in PLOT_ROUTES]
+    if not recs:
+        return "plot skipped: no timed records"
+    kinds = [("attention", [s["name"] for s in report["scenarios"] if s["kind"] == "attention"]),
+             ("selection", [s["name"] for s in report["scenarios"] if s["kind"] == "selection"])]
+    kinds = [(k, names) for k, names in kinds if any(r["scenario"] in names for r in recs)]
+    fig, axes = plt.subplots(len(kinds), 1, figsize=(max(8, 0.9 * max(len(n) for _, n in kinds) + 3),
+                                                      4.5 * len(kinds)), squeeze=False)
+    for ax, (kind, names) in zip(axes[:, 0], kinds):
+        routes = [r for r in PLOT_ROUTES if any(x["route"] == r and x["scenario"] in names for x in recs)]
+        width = 0.8 / max(len(routes), 1)
+        for i, route in enumerate(routes):
+            xs, ys = [], []
+            for j, name in enumerate(names):
+                ms = _passed_or_model_ms(recs, name, route)
+                if ms:
+                    xs.append(j + (i - (len(routes) - 1) / 2) * width)
+                    ys.append(ms)
+            hatch = "//" if route.startswith("floor") else None
+            ax.bar(xs, ys, width, label=route, hatch=hatch)
+        ax.set_yscale("log")
+        shown = [r["median_ms"] for r in recs if r["scenario"] in names]
+        ax.set_ylim(min(shown) / 3, max(shown) * 3)
+        ax.set_ylabel("median time (ms, log)")
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=35, ha="right", fontsize=8)
+        ax.set_title(f"{kind}: time per route ({report['device']}, {report['date'][:10]})")
+        ax.legend(fontsize=7, ncol=4)
+        ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return None
+
+
+def _passed_or_model_ms(recs, scenario, route):
+    for r in recs:
+        if r["scenario"] == scenario and r["route"] == route and (r.get("passed") or r["kind"] in ("floor",)):
+            return r["median_ms"]
+    return None
