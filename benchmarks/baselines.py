@@ -88,7 +88,17 @@ def chunked_attention(q, k_cache, v_cache, indices, block_table, token_to_req, p
 
 
 def _gather(cache, blk, off, fp8: bool, scale: float, dtype):
-    x = cache[blk, off]                                                      # [n, W, Hkv, D]
+    """``cache[blk, off]`` -> ``[n, W, Hkv, D]`` in ``dtype``: whole token rows with ``index_select``
+    when the cache's strides allow a flat ``[slots, Hkv * D]`` view (the usual layouts, interleaved
+    too), which is several times faster than element-wise advanced indexing."""
+    nb, bs, hkv, d = cache.shape
+    s_blk, s_tok, s_head, s_d = cache.stride()
+    if s_d == 1 and s_head == d and s_tok == hkv * d and s_blk % s_tok == 0 and nb > 0:
+        per_block = s_blk // s_tok
+        flat = cache.as_strided(((nb - 1) * per_block + bs, hkv * d), (s_tok, 1))
+        x = flat.index_select(0, (blk * per_block + off).reshape(-1)).view(*blk.shape, hkv, d)
+    else:
+        x = cache[blk, off]
     if fp8:
         return x.view(torch.float8_e4m3fn).to(dtype) * scale
     return x.to(dtype)

@@ -119,6 +119,21 @@ def test_fp32_reference_and_naive_match_fp64_reference(kv_cache_dtype, heads):
     assert (one - fp32).abs().max() < 1e-6
 
 
+@pytest.mark.parametrize("layout", ["interleaved", "separate"])
+def test_row_gather_equals_advanced_indexing(layout):
+    from benchmarks.baselines import _gather
+    from qsa.cache import allocate_kv_cache
+
+    c = allocate_kv_cache(7, 8, 2, 16, layout=layout)
+    g = torch.Generator().manual_seed(0)
+    c.k.copy_(torch.randn(c.k.shape, generator=g))
+    c.v.copy_(torch.randn(c.v.shape, generator=g))
+    blk = torch.randint(0, 7, (3, 5), generator=g)
+    off = torch.randint(0, 8, (3, 5), generator=g)
+    for t in (c.k, c.v, c.k[:, :, :1]):  # the last cannot be viewed flat: advanced indexing
+        assert torch.equal(_gather(t, blk, off, False, 1.0, torch.float16), t[blk, off])
+
+
 def test_exact_selection_matches_loop_reference():
     from qsa.indexer_reference import select_tokens_reference
 
