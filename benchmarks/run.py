@@ -323,7 +323,6 @@ class Suite:
     def _kernel_route(self, route, scn, w, state):
         """plan + run of a qsa route into fixed buffers (the planner is part of what is timed)."""
         import qsa
-        from qsa.plan import PlanWorkspace, planner_programs
 
         torch = self.torch
         cache = w.cache
@@ -331,11 +330,7 @@ class Suite:
                        num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route=route)
         plan_in = (w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens)
         plan = qsa.plan_attention(*plan_in, **plan_kw)
-        ws = None
-        if plan.grouped is not None:
-            ws = PlanWorkspace.allocate(index_width=plan.single.capacity, group_rows=plan.grouped.group_rows,
-                                        programs=planner_programs(plan.grouped.num_groups, self.device),
-                                        device=self.device)
+        ws = self._workspace(plan)
         out = torch.empty_like(w.q)
         kw = w.cache_kwargs
 
@@ -346,6 +341,20 @@ class Suite:
         if route == "grouped":
             state["grouped_plan"], state["grouped_ws"] = plan, ws
         return fn, out, True
+
+    def _workspace(self, plan):
+        """A grouped-planner workspace for ``plan`` to reuse across calls, or None (then the planner
+        allocates its own scratch on every call, which graph capture also accepts)."""
+        if plan.grouped is None:
+            return None
+        from qsa.plan import PlanWorkspace, planner_programs
+
+        try:
+            return PlanWorkspace.allocate(index_width=plan.single.capacity, group_rows=plan.grouped.group_rows,
+                                          programs=planner_programs(plan.grouped.num_groups, self.device),
+                                          device=self.device)
+        except (TypeError, AttributeError, ValueError):  # planner API moved on: let it allocate
+            return None
 
     def _naive_route(self, route, scn, w, state):
         from .baselines import naive_attention
@@ -375,11 +384,7 @@ class Suite:
                                       block_size=w.cache.block_size, num_blocks=w.cache.num_blocks,
                                       num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads,
                                       head_dim=scn.head_dim, route="grouped")
-            from qsa.plan import PlanWorkspace, planner_programs
-
-            ws = PlanWorkspace.allocate(index_width=plan.single.capacity, group_rows=plan.grouped.group_rows,
-                                        programs=planner_programs(plan.grouped.num_groups, self.device),
-                                        device=self.device)
+            ws = self._workspace(plan)
         cache = w.cache
 
         def fn():
