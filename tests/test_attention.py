@@ -47,17 +47,22 @@ def test_splitk_takes_any_group_size():
     check_route(case, "splitk")
 
 
-@pytest.mark.parametrize("route", ["xqa", "splitk"])
-def test_split_rows_merge_in_order(route, monkeypatch):
-    """Long rows split into fixed partitions and merged: still exact."""
-    case = make_attention_case(rows=5, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16,
+@pytest.mark.parametrize("route", ["grouped", "xqa", "splitk"])
+def test_split_lists_merge_in_order(route, monkeypatch):
+    """Long lists cut into splits at fixed positions and merged in order: still exact, and bitwise
+    stable under relocation."""
+    case = make_attention_case(rows=11, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16,
                                block_size=16, width=200, max_seq_len=400, messy=False, seed=4)
-    monkeypatch.setattr(qsa.routes, "split_count", lambda rows, kvh, tiles, split, dev: -(-tiles // split))
-    monkeypatch.setattr(qsa.routes, "xqa_config",
-                        lambda G, D: qsa.routes.SplitConfig(tile_tokens=16, split_tiles=2, num_warps=4, num_stages=2))
-    monkeypatch.setattr(qsa.routes, "splitk_config",
-                        lambda G, D: qsa.routes.SplitConfig(tile_tokens=16, split_tiles=2, num_warps=4, num_stages=2))
+    monkeypatch.setattr(qsa.routes, "split_count", lambda programs, max_tiles, per_sm, device: 3)
+    small = qsa.routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2)
+    monkeypatch.setattr(qsa.routes, "xqa_config", lambda G, D: small)
+    monkeypatch.setattr(qsa.routes, "splitk_config", lambda G, D: small)
+    monkeypatch.setattr(qsa.routes, "grouped_config", lambda G, D: qsa.routes.GroupedConfig(
+        rows_per_prog=8, block_m=16, mb=4, num_warps=4, num_stages=2))
     check_route(case, route)
+    base = _run(case, route)
+    mapping = random_mapping(case.cache.num_blocks, generator=torch.Generator().manual_seed(5))
+    _assert_bitwise(base, _run(case.relocated(mapping), route), "relocation with splits")
 
 
 def test_scales_and_softmax_scale():

@@ -44,7 +44,8 @@ def qk_scale_log2(softmax_scale: float, k_scale: float) -> float:
 
 
 def grouped_attention(q, k, v, plan: GroupedPlan, *, out, lse, gate, softmax_scale, k_scale, v_scale,
-                      kv_fp8: bool, config: routes.GroupedConfig | None = None) -> None:
+                      kv_fp8: bool, config: routes.GroupedConfig | None = None,
+                      num_splits: int | None = None) -> None:
     """Rows ``[0, plan.num_rows)`` of ``out`` (and ``lse``) from the grouped plan."""
     from .kernels.grouped import grouped_attention_kernel
 
@@ -56,15 +57,22 @@ def grouped_attention(q, k, v, plan: GroupedPlan, *, out, lse, gate, softmax_sca
     cfg = config or routes.grouped_config(G, d)
     strides, g, lse_t = _common(q, k, v, out, gate, lse)
     subs = plan.group_rows // cfg.rows_per_prog
-    grouped_attention_kernel[(plan.num_groups * subs, hkv)](
-        q, k, v, plan.mb_ids, plan.masks, plan.counts, g, out, lse_t,
-        plan.num_rows, qk_scale_log2(softmax_scale, k_scale), float(v_scale),
+    programs = plan.num_groups * subs * hkv
+    splits = num_splits or routes.split_count(programs, -(-plan.capacity // cfg.mb), cfg.programs_per_sm,
+                                              q.device)
+    part_acc, part_ml = _partials(plan.num_rows, hq, splits, d, q.device) if splits > 1 else (out, out)
+    grouped_attention_kernel[(plan.num_groups * subs, hkv, splits)](
+        q, k, v, plan.mb_ids, plan.masks, plan.counts, g, out, lse_t, part_acc, part_ml,
+        plan.num_rows, hq, qk_scale_log2(softmax_scale, k_scale), float(v_scale),
         stride_plan=plan.mb_ids.stride(0), **strides,
         G=G, GROUP_ROWS=plan.group_rows, ROWS_PER_PROG=cfg.rows_per_prog, BLOCK_M=cfg.block_m,
-        MB=cfg.mb, HEAD_DIM=d, BLOCK_SIZE=plan.block_size, KV_FP8=kv_fp8, DOT_DTYPE=_dot_dtype(q),
-        HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
+        MB=cfg.mb, NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_SIZE=plan.block_size, KV_FP8=kv_fp8,
+        DOT_DTYPE=_dot_dtype(q), HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    if splits > 1:
+        _merge(part_acc, part_ml, out=out, lse=lse, gate=gate, row_offset=0, v_scale=v_scale,
+               num_splits=splits)
 
 
 def _merge(part_acc, part_ml, *, out, lse, gate, row_offset, v_scale, num_splits):
@@ -101,16 +109,14 @@ def xqa_attention(q, k, v, plan: SingleRowPlan, *, row_start: int, out, lse, gat
     G = hq // hkv
     cfg = config or routes.xqa_config(G, d)
     mb = cfg.tile_tokens // 4
-    max_tiles = -(-plan.capacity // mb)
-    splits = num_splits or routes.split_count(n, hkv, max_tiles, cfg.split_tiles, q.device)
-    split_tiles = cfg.split_tiles if splits > 1 else max_tiles
+    splits = num_splits or routes.split_count(n * hkv, -(-plan.capacity // mb), cfg.programs_per_sm, q.device)
     strides, g, lse_t = _common(q, k, v, out, gate, lse)
     part_acc, part_ml = _partials(n, hq, splits, d, q.device) if splits > 1 else (out, out)
     xqa_attention_kernel[(n, hkv, splits)](
         q, k, v, plan.mb_ids, plan.masks, plan.counts, g, out, lse_t, part_acc, part_ml,
         row_start, hq, qk_scale_log2(softmax_scale, k_scale), float(v_scale),
         stride_ids=plan.mb_ids.stride(0), stride_masks=plan.masks.stride(0), **strides,
-        G=G, BLOCK_G=max(16, next_pow2(G)), MB=mb, SPLIT_TILES=split_tiles, NUM_SPLITS=splits,
+        G=G, BLOCK_G=max(16, next_pow2(G)), MB=mb, NUM_SPLITS=splits,
         HEAD_DIM=d, BLOCK_SIZE=plan.block_size, KV_FP8=kv_fp8, DOT_DTYPE=_dot_dtype(q),
         HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -132,17 +138,16 @@ def splitk_attention(q, k, v, tokens, counts, block_table, token_to_req, *, bloc
     hkv = k.shape[2]
     G = hq // hkv
     cfg = config or routes.splitk_config(G, d)
-    max_tiles = -(-tokens.shape[1] // cfg.tile_tokens)
-    splits = num_splits or routes.split_count(rows, hkv, max_tiles, cfg.split_tiles, q.device)
-    split_tiles = cfg.split_tiles if splits > 1 else max_tiles
+    splits = num_splits or routes.split_count(rows * hkv, -(-tokens.shape[1] // cfg.tile_tokens),
+                                              cfg.programs_per_sm, q.device)
     strides, g, lse_t = _common(q, k, v, out, gate, lse)
     part_acc, part_ml = _partials(rows, hq, splits, d, q.device) if splits > 1 else (out, out)
     splitk_attention_kernel[(rows, hkv, splits)](
         q, k, v, tokens, counts, block_table, token_to_req, g, out, lse_t, part_acc, part_ml,
         hq, qk_scale_log2(softmax_scale, k_scale), float(v_scale),
         stride_tok=tokens.stride(0), stride_bt=block_table.stride(0), **strides,
-        G=G, BLOCK_G=max(16, next_pow2(G)), BLOCK_N=cfg.tile_tokens, SPLIT_TILES=split_tiles,
-        NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_SIZE=block_size, KV_FP8=kv_fp8, DOT_DTYPE=_dot_dtype(q),
+        G=G, BLOCK_G=max(16, next_pow2(G)), BLOCK_N=cfg.tile_tokens, NUM_SPLITS=splits,
+        HEAD_DIM=d, BLOCK_SIZE=block_size, KV_FP8=kv_fp8, DOT_DTYPE=_dot_dtype(q),
         HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -125,6 +125,9 @@ class PlanWorkspace:
         table_keys: ``[programs, table]`` int32, INT32_MAX when empty.
         table_masks: ``[programs, table]`` int32, 0 when empty.
         slots: ``[programs, group_rows * cap_s]`` int32, the slot of each entry of the current group.
+
+    ``table`` is a power of two above the most entries a group can have, so probing ends; a group
+    uses the smallest power of two at least twice its entries.
     """
 
     table_ids: torch.Tensor
@@ -157,7 +160,7 @@ def planner_programs(num_groups: int, device) -> int:
     from .utils import device_facts
 
     facts = device_facts(str(torch.device(device)))
-    per_device = 2 * facts["sm_count"] if facts["kind"] == "cuda" else 2
+    per_device = 4 * facts["sm_count"] if facts["kind"] == "cuda" else 2
     return max(1, min(num_groups, per_device))
 
 
@@ -276,9 +279,8 @@ def plan_groups(single: SingleRowPlan, *, group_rows: int = 8, num_rows: int | N
         workspace.table_ids, workspace.table_keys, workspace.table_masks, workspace.slots,
         num_rows, num_groups, programs,
         single.mb_ids.stride(0), single.masks.stride(0), out.mb_ids.stride(0), out.masks.stride(0),
-        workspace.slots.shape[1] // group_rows,
-        GROUP_ROWS=group_rows, BLOCK_Q=next_pow2(group_rows), CHUNK=min(512, next_pow2(cap_s)),
-        TABLE=workspace.table, PAD=PAD, num_warps=8,
+        workspace.slots.shape[1], GROUP_ROWS=group_rows, BLOCK_Q=next_pow2(group_rows), CHUNK=min(1024, next_pow2(group_rows * cap_s)),
+        TABLE=workspace.table, PAD=PAD, num_warps=4,
     )
     return out
 
@@ -313,15 +315,18 @@ def _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_si
     device = indices.device
     unsorted = torch.empty((rows,), dtype=torch.int32, device=device)
     num_unsorted = torch.zeros((1,), dtype=torch.int32, device=device)
-    chunk = min(512, max(PAD, next_pow2(width)))
+    facts = device_facts(str(device))
+    # Many rows: short steps keep registers low and the GPU full. Few rows (decode): one long step,
+    # since each row's steps run one after another.
+    few = facts["kind"] == "cuda" and rows < 2 * facts["sm_count"]
+    chunk = min(4096 if few else 512, max(PAD, next_pow2(width)))
     common = dict(W=width, num_reqs=block_table.shape[0], max_blocks=block_table.shape[1],
                   num_blocks=num_blocks, stride_idx_row=indices.stride(0), stride_bt_req=block_table.stride(0),
                   stride_ids_row=ids.stride(0), stride_masks_row=masks.stride(0), BLOCK_SIZE=block_size,
                   CH=chunk, PAD=PAD, EMIT_TOKENS=emit_tokens)
     single_row_plan_kernel[(rows,)](
         indices, block_table, token_to_req, positions, seq_lens, ids, masks, counts, unsorted, num_unsorted,
-        **common, num_warps=4)
-    facts = device_facts(str(device))
+        **common, num_warps=max(4, min(16, chunk // 128)))
     programs = max(1, min(rows, facts["sm_count"] if facts["kind"] == "cuda" else 2))
     block_w = max(next_pow2(width), PAD)
     keys = torch.empty((programs, block_w), dtype=torch.int32, device=device)

@@ -46,16 +46,17 @@ class GroupedConfig:
     mb: int  # microblocks per K/V tile
     num_warps: int
     num_stages: int
+    programs_per_sm: int = 2  # split each group's list when there are fewer programs than this
 
 
 @dataclass(frozen=True)
 class SplitConfig:
-    """xqa (tile = 4 * mb tokens) and splitk (tile = block_n tokens) settings."""
+    """xqa and splitk settings."""
 
-    tile_tokens: int
-    split_tiles: int  # tiles per split when the row is split
+    tile_tokens: int  # tokens per K/V tile (xqa: 4 per microblock)
     num_warps: int
     num_stages: int
+    programs_per_sm: int = 3  # split each row's list until the launch has about this many programs
 
 
 @dataclass(frozen=True)
@@ -75,16 +76,15 @@ def grouped_config(G: int, head_dim: int) -> GroupedConfig:
     while rows > 1 and rows * G > tile_rows:
         rows //= 2
     block_m = max(16, next_pow2(rows * G))
-    return GroupedConfig(rows_per_prog=rows, block_m=block_m, mb=16,
-                         num_warps=8 if head_dim * block_m >= 64 * 256 else 4, num_stages=2)
+    return GroupedConfig(rows_per_prog=rows, block_m=block_m, mb=8, num_warps=4, num_stages=3)
 
 
 def xqa_config(G: int, head_dim: int) -> SplitConfig:
-    return SplitConfig(tile_tokens=64, split_tiles=4, num_warps=4, num_stages=2)
+    return SplitConfig(tile_tokens=64, num_warps=4, num_stages=2)
 
 
 def splitk_config(G: int, head_dim: int) -> SplitConfig:
-    return SplitConfig(tile_tokens=64, split_tiles=4, num_warps=4, num_stages=2)
+    return SplitConfig(tile_tokens=64, num_warps=4, num_stages=2)
 
 
 def page4_refusal(G: int, head_dim: int) -> str | None:
@@ -140,9 +140,18 @@ def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device
     return RoutePlan("grouped", rows // GROUP_ROWS * GROUP_ROWS)
 
 
-def split_count(rows: int, kv_heads: int, max_tiles: int, split_tiles: int, device: torch.device) -> int:
-    """Splits per row: one when the rows alone fill the device, else fixed-size splits."""
+MAX_SPLITS = 32
+
+
+def split_count(programs: int, max_tiles: int, programs_per_sm: int, device: torch.device) -> int:
+    """Splits per work list (row or group) so that a launch of ``programs`` lists has about
+    ``programs_per_sm`` programs per SM; one when the lists alone fill the device.
+
+    The count depends on the batch shape only, never on the data, so a fixed shape always cuts a
+    list at the same positions (bitwise determinism for a fixed batch shape, SPEC section 7).
+    """
     facts = device_facts(str(device))
-    if rows * kv_heads >= 4 * facts["sm_count"] or max_tiles <= split_tiles:
+    target = programs_per_sm * facts["sm_count"]
+    if facts["kind"] != "cuda" or programs >= target:  # the interpreter runs programs one by one
         return 1
-    return -(-max_tiles // split_tiles)
+    return max(1, min(MAX_SPLITS, max_tiles, -(-target // max(programs, 1))))

@@ -28,6 +28,15 @@ def load_kv_tile(
 
 
 @triton.jit
+def split_range(n_tiles, i_split, NUM_SPLITS: tl.constexpr):
+    """Tiles ``[start, end)`` of split ``i_split``: near-equal runs at positions fixed by the list
+    length alone, so where pages live or how indices were ordered never moves a boundary."""
+    per = tl.cdiv(n_tiles, NUM_SPLITS)
+    start = i_split * per
+    return start, tl.minimum(n_tiles, start + per)
+
+
+@triton.jit
 def attend_tile(
     b_q,  # [BLOCK_M, HEAD_DIM] in DOT_DTYPE
     b_k,  # [BLOCK_N, HEAD_DIM] in DOT_DTYPE
@@ -140,17 +149,18 @@ def merge_splits_kernel(
     o_d = tl.arange(0, HEAD_DIM)
     o_base = (i_r * Hq + o_h) * NUM_SPLITS
     b_m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
+    for s in range(NUM_SPLITS):
         b_m = tl.maximum(b_m, tl.load(part_ml_ptr + (o_base + s) * 2, mask=m_h, other=float("-inf")))
     b_shift = tl.where(b_m == float("-inf"), 0.0, b_m)
     b_l = tl.zeros([BLOCK_H], tl.float32)
     b_acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
+    for s in range(NUM_SPLITS):
         b_ms = tl.load(part_ml_ptr + (o_base + s) * 2, mask=m_h, other=float("-inf"))
         b_ls = tl.load(part_ml_ptr + (o_base + s) * 2 + 1, mask=m_h, other=0.0)
         b_w = tl.where(b_ls > 0, tl.exp2(b_ms - b_shift), 0.0)
         b_l += b_ls * b_w
-        b_a = tl.load(part_acc_ptr + (o_base + s)[:, None] * HEAD_DIM + o_d[None, :], mask=m_h[:, None] & (b_ls > 0)[:, None], other=0.0)
+        m_a = m_h & (b_ls > 0)
+        b_a = tl.load(part_acc_ptr + (o_base + s)[:, None] * HEAD_DIM + o_d[None, :], mask=m_a[:, None], other=0.0)
         b_acc += b_a * b_w[:, None]
     o_row = tl.zeros([BLOCK_H], tl.int64) + i_r + row_offset
     store_output(b_acc, b_m, b_l, o_row, o_h, m_h, o_d, out_ptr, gate_ptr, lse_ptr, v_scale,

@@ -4,7 +4,7 @@ all query heads of a KV head, with tensor-core QK^T and PV and per-row 4-bit mas
 import triton
 import triton.language as tl
 
-from .common import attend_tile, load_kv_tile, store_output
+from .common import attend_tile, load_kv_tile, split_range, store_output, store_partial
 
 
 @triton.jit
@@ -18,7 +18,10 @@ def grouped_attention_kernel(
     gate_ptr,  # [rows, Hq, D] or unused
     out_ptr,  # [rows, Hq, D]
     lse_ptr,  # [rows, Hq] fp32 or unused
+    part_acc_ptr,  # [rows, Hq, NUM_SPLITS, D] fp32 or unused
+    part_ml_ptr,  # [rows, Hq, NUM_SPLITS, 2] fp32 or unused
     num_rows,
+    Hq,
     qk_scale,
     v_scale,
     stride_q_row,
@@ -40,6 +43,7 @@ def grouped_attention_kernel(
     ROWS_PER_PROG: tl.constexpr,  # rows of the group this program computes (divides GROUP_ROWS)
     BLOCK_M: tl.constexpr,  # power of two >= ROWS_PER_PROG * G
     MB: tl.constexpr,  # microblocks per tile (tile = 4 * MB tokens)
+    NUM_SPLITS: tl.constexpr,  # each group's tiles are cut into this many near-equal runs
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
     KV_FP8: tl.constexpr,
@@ -53,6 +57,7 @@ def grouped_attention_kernel(
     i_g = tl.program_id(0) // SUBS
     i_sub = tl.program_id(0) % SUBS
     i_kvh = tl.program_id(1).to(tl.int64)
+    i_split = tl.program_id(2)
 
     # Matrix row m is (group row q, head h): q = i_sub * ROWS_PER_PROG + m // G.
     o_m = tl.arange(0, BLOCK_M)
@@ -76,7 +81,8 @@ def grouped_attention_kernel(
     b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_M], tl.float32)
     b_acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    for i_t in range(0, tl.cdiv(count, MB)):
+    tile_start, tile_end = split_range(tl.cdiv(count, MB), i_split, NUM_SPLITS)
+    for i_t in range(tile_start, tile_end):
         # Fixed tile boundaries: tile i_t is plan entries [i_t * MB, (i_t + 1) * MB).
         o_e = i_t * MB + o_n // 4
         m_n = o_e < count
@@ -92,6 +98,10 @@ def grouped_attention_kernel(
         m_attend = (((b_gm[None, :] >> o_shift) & 1) != 0) & m_row[:, None]
         b_m, b_l, b_acc = attend_tile(b_q, b_k, b_v, m_attend, b_m, b_l, b_acc, qk_scale, DOT_DTYPE)
 
-    store_output(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, out_ptr, gate_ptr, lse_ptr, v_scale,
-                 stride_o_row, stride_o_head, stride_g_row, stride_g_head, stride_lse_row,
-                 HAS_GATE, RETURN_LSE)
+    if NUM_SPLITS == 1:
+        store_output(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, out_ptr, gate_ptr, lse_ptr, v_scale,
+                     stride_o_row, stride_o_head, stride_g_row, stride_g_head, stride_lse_row,
+                     HAS_GATE, RETURN_LSE)
+    else:
+        store_partial(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, i_split,
+                      part_acc_ptr, part_ml_ptr, Hq, NUM_SPLITS, HEAD_DIM)

@@ -1,13 +1,13 @@
 """Generic split-K sparse paged attention over token lists: the baseline and fallback route.
 
-Each program takes one row, one KV head and one fixed-size slice of the row's token list, gathers
+Each program takes one row, one KV head and one fixed-size run of the row's token list, gathers
 K/V token by token through the block table, and writes fp32 partials that ``merge_splits_kernel``
 combines in split order. Any G works (the head tile is padded to a power of two >= 16)."""
 
 import triton
 import triton.language as tl
 
-from .common import attend_tile, load_kv_tile, store_output, store_partial
+from .common import attend_tile, load_kv_tile, split_range, store_output, store_partial
 
 
 @triton.jit
@@ -45,8 +45,7 @@ def splitk_attention_kernel(
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,  # power of two >= max(G, 16)
     BLOCK_N: tl.constexpr,  # tokens per tile
-    SPLIT_TILES: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # each row's tiles are cut into this many near-equal runs
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -69,11 +68,11 @@ def splitk_attention_kernel(
     count = tl.load(tok_counts_ptr + i_r)
     req = tl.load(req_ptr + i_r).to(tl.int64)
     o_n = tl.arange(0, BLOCK_N)
-    tile_end = tl.minimum(tl.cdiv(count, BLOCK_N), (i_split + 1) * SPLIT_TILES)
+    tile_start, tile_end = split_range(tl.cdiv(count, BLOCK_N), i_split, NUM_SPLITS)
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for i_t in range(i_split * SPLIT_TILES, tile_end):
+    for i_t in range(tile_start, tile_end):
         o_e = i_t * BLOCK_N + o_n
         m_n = o_e < count
         b_t = tl.load(tok_ptr + i_r * stride_tok + o_e, mask=m_n, other=0)

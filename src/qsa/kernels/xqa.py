@@ -1,10 +1,11 @@
-"""Single-row page4 ("XQA") attention: all G query heads of a KV head in one tile, fixed-size
-partitions of the row's microblock list, partials merged in split order by ``merge_splits_kernel``."""
+"""Single-row page4 ("XQA") attention: all G query heads of a KV head in one tile, the row's
+microblock list cut at fixed positions into splits, partials merged in split order by
+``merge_splits_kernel``."""
 
 import triton
 import triton.language as tl
 
-from .common import attend_tile, load_kv_tile, store_output, store_partial
+from .common import attend_tile, load_kv_tile, split_range, store_output, store_partial
 
 
 @triton.jit
@@ -42,8 +43,7 @@ def xqa_attention_kernel(
     G: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # power of two >= max(G, 16)
     MB: tl.constexpr,  # microblocks per tile (tile = 4 * MB tokens)
-    SPLIT_TILES: tl.constexpr,  # tiles per split
-    NUM_SPLITS: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,  # each row's tiles are cut into this many near-equal runs
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -69,11 +69,11 @@ def xqa_attention_kernel(
     o_n = tl.arange(0, BLOCK_N)
     o_slot = o_n % 4
     count = tl.load(counts_ptr + i_r)
-    tile_end = tl.minimum(tl.cdiv(count, MB), (i_split + 1) * SPLIT_TILES)
+    tile_start, tile_end = split_range(tl.cdiv(count, MB), i_split, NUM_SPLITS)
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    for i_t in range(i_split * SPLIT_TILES, tile_end):
+    for i_t in range(tile_start, tile_end):
         o_e = i_t * MB + o_n // 4
         m_n = o_e < count
         b_id = tl.load(ids_ptr + i_r * stride_ids + o_e, mask=m_n, other=0)

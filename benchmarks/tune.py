@@ -1,0 +1,168 @@
+"""Launch-setting sweep for the page4 routes on the GPU: which tile shapes, warps and stages to ship.
+
+Every setting is checked against the fp32 reference before it is timed (as in ``qsa bench``); the
+planner is timed apart from the attention kernels. Results go to ``--out`` as JSON plus a table.
+
+    python -m benchmarks.tune --out /tmp/tune          # all workloads
+    python -m benchmarks.tune --only prefill           # a subset (substring of the workload name)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from qsa import attention, plan_attention, routes, run_attention
+from qsa.plan import PlanWorkspace, plan_groups, plan_single_rows, planner_programs
+from qsa.reference import assert_close_like_torch
+
+from .baselines import chunked_attention, full_fp32_matmul
+from .generators import attention_workload
+from .registry import K, Scenario
+from .timing import Timer, TimingConfig
+
+GROUPED = [  # rows_per_prog (at most), max tile rows, mb, num_warps, num_stages, programs_per_sm
+    (8, 64, 8, 4, 3, 2), (8, 64, 8, 4, 2, 2), (8, 64, 16, 4, 2, 2), (8, 64, 16, 4, 3, 2), (8, 64, 4, 4, 4, 2),
+    (8, 64, 8, 4, 3, 1), (8, 64, 8, 4, 3, 4), (8, 128, 8, 8, 3, 2), (4, 32, 8, 4, 3, 2),
+]
+SPLIT = [  # tile_tokens, num_warps, num_stages, programs_per_sm
+    (64, 4, 2, 3), (64, 4, 2, 1), (64, 4, 2, 6), (64, 4, 3, 3), (32, 4, 3, 3), (128, 8, 2, 3), (64, 8, 2, 3),
+    (128, 4, 2, 3),
+]
+
+
+def workloads(smoke: bool):
+    if smoke:  # tiny CPU shapes, to exercise this script under the Triton interpreter
+        return [Scenario(name="smoke-prefill", rows=16, context=512, num_q_heads=2, head_dim=16, topk=16,
+                         overlap=0.8),
+                Scenario(name="smoke-decode", rows=2, num_reqs=2, context=512, num_q_heads=2, head_dim=16,
+                         topk=16, overlap=None)]
+    return [
+        Scenario(name="prefill-64k-o80", overlap=0.8),
+        Scenario(name="prefill-64k-o98", overlap=0.98),
+        Scenario(name="decode-64", rows=64, num_reqs=64, overlap=None),
+        Scenario(name="decode-256", rows=256, num_reqs=256, overlap=None),
+        Scenario(name="decode-1", rows=1, num_reqs=1, overlap=None),
+        Scenario(name="mtp-8", rows=8, overlap=0.8),
+        Scenario(name="mtp-16", rows=16, overlap=0.8),
+        Scenario(name="prefill-8k-12-1", rows=2048, context=8 * K, num_q_heads=12, overlap=0.8),
+        Scenario(name="prefill-8k-24-2", rows=2048, context=8 * K, num_q_heads=24, num_kv_heads=2, overlap=0.8),
+    ]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.tune")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--only", action="append", default=[])
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run under the Triton interpreter")
+    args = ap.parse_args(argv)
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    grouped_settings = GROUPED[:2] if args.smoke else GROUPED
+    split_settings = SPLIT[:2] if args.smoke else SPLIT
+    timer = Timer(dev, TimingConfig(budget_s=0.15, min_reps=5, max_reps=50))
+    records = []
+
+    def record(name, what, setting, fn, check=None):
+        err = None
+        try:
+            out = fn()
+            if check is not None:
+                check(out)
+            t = timer.time(fn)
+            ms = t.median_ms
+        except Exception as e:  # a setting that fails to compile or check is recorded, not fatal
+            ms, err = None, f"{type(e).__name__}: {str(e)[:200]}"
+        records.append(dict(workload=name, what=what, setting=setting, median_ms=ms, error=err))
+        shown = f"{ms:8.3f} ms" if ms is not None else f"FAILED {err}"
+        print(f"{name:18s} {what:14s} {str(setting):24s} {shown}", flush=True)
+
+    for scn in workloads(args.smoke):
+        if args.only and not any(s in scn.name for s in args.only):
+            continue
+        t0 = time.time()
+        w = attention_workload(scn, dev)
+        print(f"# {scn.name}: built in {time.time() - t0:.1f}s, overlap {w.stats['overlap']}, "
+              f"union/group {w.stats['avg_union_per_group']:.0f}", flush=True)
+        q, c = w.q, w.cache
+        args_ = (q, *w.args)
+        with full_fp32_matmul():
+            ref = chunked_attention(*args_, compute_dtype=torch.float32, **w.cache_kwargs).double()
+        low = chunked_attention(*args_, compute_dtype=q.dtype, **w.cache_kwargs)
+        check = lambda out: assert_close_like_torch(out, ref, low)  # noqa: E731
+        inputs = dict(indices=w.indices, block_table=w.block_table, token_to_req=w.token_to_req,
+                      positions=w.positions, seq_lens=w.seq_lens, block_size=c.block_size,
+                      num_blocks=c.num_blocks)
+        single = plan_single_rows(**inputs)
+        rows = q.shape[0]
+        G = scn.num_q_heads // scn.num_kv_heads
+        out = torch.empty_like(q)
+        kw = dict(out=out, lse=None, gate=None, softmax_scale=scn.head_dim ** -0.5, k_scale=c.k_scale,
+                  v_scale=c.v_scale, kv_fp8=c.kv_cache_dtype == "fp8_e4m3")
+        record(scn.name, "plan-single", "-", lambda: plan_single_rows(**inputs, out=single))
+        if rows >= 8 and scn.num_reqs == 1:
+            ws = PlanWorkspace.allocate(index_width=w.indices.shape[1], group_rows=8,
+                                        programs=planner_programs(rows // 8, dev), device=dev)
+            grouped = plan_groups(single, workspace=ws)
+            record(scn.name, "plan-grouped", "-", lambda: plan_groups(single, out=grouped, workspace=ws))
+            for rp, tile_rows, mb, nw, ns, pps in grouped_settings:
+                while rp > 1 and rp * G > tile_rows:
+                    rp //= 2
+                bm = max(16, 1 << (rp * G - 1).bit_length())
+                cfg = routes.GroupedConfig(rows_per_prog=rp, block_m=bm, mb=mb, num_warps=nw, num_stages=ns,
+                                           programs_per_sm=pps)
+
+                def run_grouped(cfg=cfg):
+                    attention.grouped_attention(q, c.k, c.v, grouped, config=cfg, **kw)
+                    return out
+                record(scn.name, "grouped-attn", (rp, bm, mb, nw, ns, pps), run_grouped, check)
+            shape = dict(num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim)
+            full = plan_attention(**inputs, **shape, route="grouped", workspace=ws)
+
+            def total():  # plan + attention through the public plan/run split, buffers reused
+                p = plan_attention(**inputs, **shape, route="grouped", out=full, workspace=ws)
+                return run_attention(p, q, c.k, c.v, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
+                                     v_scale=c.v_scale, out=out)
+            record(scn.name, "grouped-total", "default", total, check)
+        for setting in split_settings:
+            cfg = routes.SplitConfig(*setting)
+
+            def run_xqa(cfg=cfg):
+                attention.xqa_attention(q, c.k, c.v, single, row_start=0, config=cfg, **kw)
+                return out
+            record(scn.name, "xqa-attn", setting, run_xqa, check)
+        shape = dict(num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim)
+        xqa_plan = plan_attention(**inputs, **shape, route="xqa")
+
+        def xqa_total():
+            p = plan_attention(**inputs, **shape, route="xqa", out=xqa_plan)
+            return run_attention(p, q, c.k, c.v, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
+                                 v_scale=c.v_scale, out=out)
+        record(scn.name, "xqa-total", "default", xqa_total, check)
+        tokens_plan = plan_attention(**{k: v for k, v in inputs.items()}, num_q_heads=scn.num_q_heads,
+                                     num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route="splitk")
+        for setting in split_settings[:3]:
+            cfg = routes.SplitConfig(*setting)
+
+            def run_splitk(cfg=cfg):
+                attention.splitk_attention(q, c.k, c.v, tokens_plan.tokens, tokens_plan.token_counts,
+                                           w.block_table, w.token_to_req, block_size=c.block_size,
+                                           config=cfg, **kw)
+                return out
+            record(scn.name, "splitk-attn", setting, run_splitk, check)
+        del w, ref, low, single
+        torch.cuda.empty_cache()
+
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "tune.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", date=time.strftime("%Y-%m-%d"), records=records),
+                  f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
