@@ -141,11 +141,11 @@ def test_topk_65536_blocks(device):
     vis = torch.tensor([n, n - 3, 40000])
     want = ref.topk_blocks_reference(s, vis, k)
     assert torch.equal(ix.topk_blocks(s.to(device), vis.to(device), k).cpu(), want)
-    if not HAS_CUDA:   # the register-tile search on the whole row (the GPU uses chunks at this size)
-        out = torch.empty(3, k, dtype=torch.int32)
-        ix._launch_topk(s, out, k, from_scores=True, visible=vis,
-                        config=dict(SINGLE_TILE=True, BLOCK_N=n, EMIT_BLOCK=n))
-        assert torch.equal(out, want)
+    # the largest row held in registers (16384 blocks), same data
+    m = ix.MAX_REGISTER_TILE
+    vis = torch.tensor([m, m - 1, 9000])
+    assert torch.equal(ix.topk_blocks(s[:, :m].to(device), vis.to(device), k).cpu(),
+                       ref.topk_blocks_reference(s[:, :m], vis, k))
 
 
 def test_topk_k2048(device):

@@ -24,7 +24,7 @@ import torch
 import triton
 
 from .indexer_reference import GROUP
-from .kernels.indexer import block_scores_kernel, store_compressed_kernel
+from .kernels.indexer import block_scores_kernel, clear_invalid_pages_kernel, store_compressed_kernel
 from .kernels.topk import topk_kernel
 from .utils import check_tensor, dot_in_fp32, interpreter_enabled, next_pow2, round_up
 
@@ -121,7 +121,7 @@ def _score_config(rows: int, n_cols: int) -> dict:
     if interpreter_enabled():
         return dict(BLOCK_R=16, BLOCK_N=16, n_per_prog=max(round_up(n_cols, 16), 16), num_warps=4,
                     num_stages=1)
-    return dict(BLOCK_R=32, BLOCK_N=128, n_per_prog=1024, num_warps=8, num_stages=3)
+    return dict(BLOCK_R=32, BLOCK_N=64, n_per_prog=2048, num_warps=4, num_stages=2)
 
 
 def _launch_scores(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, out, *,
@@ -145,6 +145,20 @@ def _launch_scores(index_q, kc_cache, block_table, token_to_req, positions, seq_
         ROWS_PER_PAGE=rpb, H=H, H_PAD=next_pow2(H), D=D, BLOCK_R=cfg["BLOCK_R"], BLOCK_N=cfg["BLOCK_N"],
         WRITE_KEYS=write_keys,
         DOT_FP32=dot_in_fp32(index_q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def _launch_clear_invalid(keys, token_to_req, block_table, num_blocks: int, rows_per_page: int) -> None:
+    rows, n_cols = keys.shape
+    num_reqs, max_blocks = block_table.shape
+    if rows == 0 or max_blocks == 0:
+        return
+    block_r, block_p = (16, 16) if interpreter_enabled() else (64, 64)
+    grid = (triton.cdiv(rows, block_r), triton.cdiv(max_blocks, block_p))
+    clear_invalid_pages_kernel[grid](
+        keys, token_to_req, block_table, rows, num_reqs, num_blocks, max_blocks, n_cols,
+        keys.stride(0), block_table.stride(0), ROWS_PER_PAGE=rows_per_page, BLOCK_R=block_r,
+        BLOCK_P=block_p, num_warps=4,
     )
 
 
@@ -311,6 +325,8 @@ def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_l
     token_to_req, positions, seq_lens = (t.contiguous() for t in (token_to_req, positions, seq_lens))
     _launch_scores(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, keys,
                    write_keys=True)
+    _launch_clear_invalid(keys, token_to_req, block_table.contiguous(), kc_cache.shape[0],
+                          kc_cache.shape[1])
     _launch_topk(keys, out, k, from_scores=False, token_to_req=token_to_req, positions=positions,
                  seq_lens=seq_lens)
     return out

@@ -1,5 +1,6 @@
-"""Indexer kernels (``@triton.jit`` only): block scores through the paged compressed-key cache, and the
-store of freshly completed compressed keys. Launchers live in ``qsa/indexer.py``."""
+"""Indexer kernels (``@triton.jit`` only): block scores through the paged compressed-key cache, the
+clearing of blocks whose table entry is invalid, and the store of freshly completed compressed keys.
+Launchers live in ``qsa/indexer.py``."""
 
 import triton
 import triton.language as tl
@@ -26,7 +27,7 @@ def block_scores_kernel(
     D: tl.constexpr,
     BLOCK_R: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    WRITE_KEYS: tl.constexpr,   # int32 score_key bits, 0 for invalid pages; else fp32, -inf off-candidates
+    WRITE_KEYS: tl.constexpr,   # int32 score_key bits (no candidate mask); else fp32, -inf off-candidates
     DOT_FP32: tl.constexpr,     # upcast dot operands (bf16 under the interpreter, triton#11584)
 ):
     """Program (i_r, i_g): rows [i_r * BLOCK_R, +BLOCK_R) x blocks [i_g * n_per_prog, +n_per_prog),
@@ -82,12 +83,10 @@ def block_scores_kernel(
             score = tl.sum(tl.reshape(s, [BLOCK_R, H_PAD, BLOCK_N]), axis=1) * scale
             p_out = out_ptr + o_r64[:, None] * stride_out + o_b[None, :]
             if WRITE_KEYS:
-                # Entries past a row's visible count are never read, so only the rare tile with an
-                # invalid table entry needs a per-block mask (key 0: not a candidate).
-                key = score_key(score)
-                if tl.min(m_kc.to(tl.int32), axis=0) == 0:
-                    key = tl.where(m_kc[None, :] | (o_b >= n_stop)[None, :], key, 0)
-                tl.store(p_out, key.to(tl.int32, bitcast=True), mask=m_cur[:, None] & (o_b < n_cols)[None, :])
+                # No per-block mask here: entries past a row's visible count are never read, and
+                # invalid table entries are cleared afterwards by clear_invalid_pages_kernel.
+                tl.store(p_out, score_key(score).to(tl.int32, bitcast=True),
+                         mask=m_cur[:, None] & (o_b < n_cols)[None, :])
             else:
                 m_out = m_cur[:, None] & (o_b[None, :] < vis[:, None])
                 tl.store(p_out, tl.where(m_kc[None, :], score, float("-inf")), mask=m_out)
@@ -99,6 +98,35 @@ def block_scores_kernel(
             p_out = out_ptr + o_r64[:, None] * stride_out + o_b[None, :]
             m_out = m_r[:, None] & (o_b[None, :] >= vis[:, None]) & (o_b[None, :] < n_hi)
             tl.store(p_out, tl.full([BLOCK_R, BLOCK_N], float("-inf"), tl.float32), mask=m_out)
+
+
+@triton.jit
+def clear_invalid_pages_kernel(
+    keys_ptr,   # [rows, n_cols] int32 score keys (written: 0 where the page is invalid)
+    req_ptr,    # [rows] int32/int64 request of each row
+    bt_ptr,     # [num_reqs, max_blocks] int32 block table
+    rows, num_reqs, num_blocks, max_blocks, n_cols,
+    stride_keys, stride_bt,
+    ROWS_PER_PAGE: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
+    """Program (i_r, i_p): rows [i_r * BLOCK_R, +BLOCK_R) x table entries [i_p * BLOCK_P, +BLOCK_P).
+    Sets key 0 (not a candidate) on the ROWS_PER_PAGE blocks of every invalid entry; a program whose
+    entries are all valid (the usual case) only reads the table."""
+    o_r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    o_p = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
+    req = tl.load(req_ptr + o_r, mask=o_r < rows, other=-1).to(tl.int64)
+    m_ok = (o_r < rows) & (req >= 0) & (req < num_reqs)
+    m_rp = m_ok[:, None] & (o_p < max_blocks)[None, :]
+    page = tl.load(bt_ptr + tl.where(m_ok, req, 0)[:, None] * stride_bt + o_p[None, :], mask=m_rp, other=0)
+    m_bad = m_rp & ((page < 0) | (page >= num_blocks))
+    if tl.max(m_bad.to(tl.int32)) > 0:
+        p_keys = keys_ptr + o_r.to(tl.int64)[:, None] * stride_keys
+        for j in range(ROWS_PER_PAGE):
+            o_b = o_p * ROWS_PER_PAGE + j
+            tl.store(p_keys + o_b[None, :], tl.zeros([BLOCK_R, BLOCK_P], tl.int32),
+                     mask=m_bad & (o_b < n_cols)[None, :])
 
 
 @triton.jit
