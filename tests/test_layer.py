@@ -178,8 +178,9 @@ def test_reference_check_rejects_wrong_layers(variant):
 @pytest.mark.parametrize("route", ["reference", "auto"])
 def test_layer_bitwise_across_page_placements(route):
     layer = QSAAttention(TINY, seed=4)
-    xs = inputs(seed=5)
-    outs = [run_layer(layer, xs, **RUN, route=route, allocator_seed=s, num_blocks=40)[0] for s in (11, 12)]
+    xs = inputs(seed=5, lens=(25, 14))
+    run = dict(chunk_size=13, decode_tokens=2, block_size=8, pad_rows=1)
+    outs = [run_layer(layer, xs, **run, route=route, allocator_seed=s, num_blocks=40)[0] for s in (11, 12)]
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 
@@ -193,7 +194,7 @@ def test_plan_buffers_shared_across_layers():
     cb_alone = b.allocate_cache(8, 8, 1)
     table = torch.tensor([[3, 1, 6]], dtype=torch.int32)
     slots = torch.cat([torch.arange(8) + 8 * p for p in (3, 1, 6)])
-    build = dict(block_size=8, device="cpu", route="grouped")
+    build = dict(block_size=8, device="cpu", route="grouped", backend="torch")
     meta = StepMetadata.build([0] * 24, list(range(24)), [24], table, slots, **build)
     a(xs[0], meta, ca)
     plan, ws, buf = meta.plan, meta.workspace, meta.attn_out

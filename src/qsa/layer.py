@@ -156,6 +156,8 @@ class StepMetadata:
         block_size: tokens per KV block.
         route: attention route for this step ("auto", "grouped", "xqa", "splitk", "reference").
         plan_order: "logical" (the contract) or "physical" (the demonstration of why it matters).
+        backend: "triton" or "torch" for the selection and cache writes; None picks Triton wherever
+            the route runs Triton kernels (see :func:`qsa.ops.kernel_backend`).
         plan: the attention plan buffers, created by the first layer and refilled by the others.
         workspace: the grouped planner's scratch, reused by every layer (CUDA-graph safe).
         attn_out: ``[T, Hq, D]`` attention output buffer shared by the layers.
@@ -169,6 +171,7 @@ class StepMetadata:
     block_size: int
     route: str = "auto"
     plan_order: str = "logical"
+    backend: str | None = None
     plan: object = field(default=None, repr=False)
     workspace: object = field(default=None, repr=False)
     attn_out: torch.Tensor | None = field(default=None, repr=False)
@@ -177,7 +180,8 @@ class StepMetadata:
 
     @classmethod
     def build(cls, token_to_req, positions, seq_lens, block_table, slot_mapping, *, block_size: int,
-              device, route: str = "auto", plan_order: str = "logical") -> "StepMetadata":
+              device, route: str = "auto", plan_order: str = "logical",
+              backend: str | None = None) -> "StepMetadata":
         """From host lists or tensors; one copy to ``device`` per field."""
         def as_tensor(x, dtype):
             t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=dtype)
@@ -189,7 +193,7 @@ class StepMetadata:
             raise ValueError(f"plan_order must be 'logical' or 'physical', got {plan_order!r}")
         return cls(as_tensor(token_to_req, torch.int32), as_tensor(positions, torch.int64),
                    as_tensor(seq_lens, torch.int32), as_tensor(block_table, torch.int32),
-                   as_tensor(slot_mapping, torch.int64), int(block_size), route, plan_order)
+                   as_tensor(slot_mapping, torch.int64), int(block_size), route, plan_order, backend)
 
     @property
     def num_rows(self) -> int:
@@ -352,7 +356,7 @@ class QSAAttention(nn.Module):
         ``v``, ``iq``, ``ik``, ``indices``, ``attn``) for tests and ``qsa verify``.
         """
         c = self.config
-        backend = ops.kernel_backend(meta.route, x.device)
+        backend = meta.backend or ops.kernel_backend(meta.route, x.device)
         q, gate, k, v, iq, ik = self.project(x, meta.positions)
         ops.write_kv(cache.kv, k, v, meta.slot_mapping, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
                      v_scale=c.v_scale, backend=backend)

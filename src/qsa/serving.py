@@ -32,6 +32,7 @@ class ServingConfig:
         chunk_size: prefill tokens per step.
         route: attention route ("auto" picks per step, see :mod:`qsa.routes`).
         plan_order: "logical" (the contract) or "physical" (the demonstration).
+        backend: selection and cache-write implementation ("triton", "torch"; None: follow the route).
         cuda_graph: replay decode steps from a CUDA graph (GPU only).
         allocator_seed: shuffle of the free block list (None: blocks in ascending order).
         poison: fill the caches with NaN so a read of an unwritten slot shows in the logits.
@@ -44,6 +45,7 @@ class ServingConfig:
     chunk_size: int = 256
     route: str = "auto"
     plan_order: str = "logical"
+    backend: str | None = None
     cuda_graph: bool = False
     allocator_seed: int | None = 0
     poison: bool = True
@@ -149,7 +151,7 @@ class Engine:
         c = self.config
         return StepMetadata.build(token_to_req, positions, self.lengths, self.block_table, slots,
                                   block_size=c.block_size, device=self.device, route=c.route,
-                                  plan_order=c.plan_order)
+                                  plan_order=c.plan_order, backend=c.backend)
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, *, on_step=None,
                  capture_step: int | None = None, capture_layer: int = 0) -> GenerationResult:
@@ -277,7 +279,7 @@ class Engine:
 
 def run_layer(layer, xs: list[torch.Tensor], *, chunk_size: int, decode_tokens: int = 0, block_size: int = 16,
               num_blocks: int | None = None, allocator_seed=0, route: str = "auto", plan_order: str = "logical",
-              pad_rows: int = 0, capture: bool = False):
+              backend: str | None = None, pad_rows: int = 0, capture: bool = False):
     """Drive one :class:`~qsa.layer.QSAAttention` over given inputs the way the engine schedules steps.
 
     Request ``i`` has inputs ``xs[i]`` ``[L_i, hidden]`` for positions ``0 .. L_i - 1``; its first
@@ -324,7 +326,8 @@ def run_layer(layer, xs: list[torch.Tensor], *, chunk_size: int, decode_tokens: 
         x_rows.append(torch.zeros(pad_rows, hidden, dtype=xs[0].dtype, device=device))
         slots.append(torch.full((pad_rows,), -1, dtype=torch.int64))
         meta = StepMetadata.build(t2r + [-1] * pad_rows, pos + [-1] * pad_rows, seq, table, torch.cat(slots),
-                                  block_size=block_size, device=device, route=route, plan_order=plan_order)
+                                  block_size=block_size, device=device, route=route, plan_order=plan_order,
+                                  backend=backend)
         cap = {} if capture else None
         y = layer(torch.cat(x_rows).to(device), meta, cache, capture=cap)
         out[rows] = y[:len(rows)]

@@ -1,0 +1,417 @@
+"""``qsa verify``: replay one step of a QSA layer under the determinism contract (SPEC section 7).
+
+A step's inputs are captured from the tiny model served by :class:`qsa.serving.Engine` (a mixed step:
+one request's prefill chunk next to another's first chunk, so both the grouped and the single-row
+route run), or loaded from a file written by ``--save``. The selection and the attention are then
+replayed and compared bit for bit:
+
+* repeat -- the same inputs again;
+* relocation -- N random moves of the physical pages (same-size permutations, a cache twice as
+  large, collision-prone ids), the K/V cache and the compressed-key cache moved together;
+* permuted index order -- the entries of every row of ``indices`` shuffled;
+* CUDA-graph replay (GPU only) -- selection + plan + attention captured once, replayed on the original
+  and on relocated data;
+* and, for scale, the output against the fp64 reference (within twice PyTorch's own error).
+
+The attention replays use the step's own selection; the selection itself is replayed (and rows'
+indices shuffled) on all rows on the GPU and on a spread of ``--sample`` rows on the CPU, where the
+kernels run under the Triton interpreter (turned on here) with small sizes. Exit status 1 when any
+replay differs by a single bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+CPU_STEP = dict(prompts=(200, 136), chunk=76, step=2, block_size=16)
+GPU_STEP = dict(prompts=(6000, 3000), chunk=2052, step=2, block_size=64)
+CPU_SAMPLE = 12
+"""Rows of the CPU step whose selection is replayed and whose indices are shuffled."""
+SAMPLE_ROWS = 96
+"""Rows compared with the (slow, loop-based) fp64 reference."""
+
+
+@dataclass
+class StepInputs:
+    """One layer's step: what the selection and the attention read.
+
+    Attributes:
+        q, gate: ``[rows, Hq, D]``; iq: ``[rows, index_heads, index_head_dim]``.
+        kv: ``[num_blocks, 2, block_size, Hkv, D]`` cache after the step's write.
+        kc: ``[num_blocks, block_size // 4, index_head_dim]`` compressed keys after the step.
+        block_table, token_to_req, positions, seq_lens: the step's metadata.
+        indices: ``[rows, 4 * index_topk + 3]`` int32 the layer's selection in that step.
+        index_topk, kv_cache_dtype, k_scale, v_scale: the layer's settings.
+    """
+
+    q: torch.Tensor
+    gate: torch.Tensor
+    iq: torch.Tensor
+    kv: torch.Tensor
+    kc: torch.Tensor
+    block_table: torch.Tensor
+    token_to_req: torch.Tensor
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    indices: torch.Tensor
+    index_topk: int
+    kv_cache_dtype: str = "auto"
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+
+    @classmethod
+    def from_capture(cls, cap: dict) -> "StepInputs":
+        cfg = cap["config"]
+        return cls(cap["q"].contiguous(), cap["gate"].contiguous(), cap["iq"].contiguous(), cap["kv"], cap["kc"],
+                   cap["block_table"], cap["token_to_req"], cap["positions"], cap["seq_lens"],
+                   cap["indices"], cfg.index_topk, cfg.kv_cache_dtype, cfg.k_scale, cfg.v_scale)
+
+    def to(self, device) -> "StepInputs":
+        d = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in asdict(self).items()}
+        return StepInputs(**d)
+
+    def save(self, path: str) -> None:
+        torch.save({k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in asdict(self).items()}, path)
+
+    @classmethod
+    def load(cls, path: str) -> "StepInputs":
+        return cls(**torch.load(path, map_location="cpu", weights_only=True))
+
+    @property
+    def rows(self) -> int:
+        return self.q.shape[0]
+
+
+def capture_step(device, *, seed: int = 0, build_route: str | None = None) -> StepInputs:
+    """Serve the tiny model (one layer) until a mixed prefill step and capture that step's inputs."""
+    from .model import TinyConfig, TinyQSAModel
+    from .serving import Engine, ServingConfig
+
+    device = torch.device(device)
+    spec = GPU_STEP if device.type == "cuda" else CPU_STEP
+    base = TinyConfig.reference(vocab_size=4096) if device.type == "cuda" else TinyConfig.small()
+    cfg = TinyConfig(base.vocab_size, 1, base.intermediate_size, base.attn, seed)
+    model = TinyQSAModel(cfg, device=device)
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist() for n in spec["prompts"]]
+    bs = spec["block_size"]
+    num_blocks = sum(-(-n // bs) for n in spec["prompts"]) + 8
+    route = build_route or ("auto" if device.type == "cuda" else "reference")
+    engine = Engine(model, ServingConfig(num_blocks=num_blocks, block_size=bs, max_reqs=len(prompts),
+                                         max_blocks_per_req=-(-max(spec["prompts"]) // bs) + 1,
+                                         chunk_size=spec["chunk"], route=route, allocator_seed=seed + 1))
+    res = engine.generate(prompts, 1, capture_step=spec["step"])
+    return StepInputs.from_capture(res.capture)
+
+
+def _select(step: StepInputs, kc, table, backend: str, rows=None):
+    """The selection of ``rows`` (default all; a row's selection depends on that row alone)."""
+    from . import ops
+
+    iq, t2r, pos = step.iq, step.token_to_req, step.positions
+    if rows is not None:
+        iq, t2r, pos = iq[rows], t2r[rows], pos[rows]
+    return ops.select_tokens(iq, kc, table, t2r, pos, step.seq_lens, k=step.index_topk, backend=backend)
+
+
+def _attend(step: StepInputs, kv, table, indices, route: str, order: str = "logical"):
+    from .api import plan_attention, run_attention
+
+    plan = plan_attention(indices, table, step.token_to_req, step.positions, step.seq_lens,
+                          block_size=kv.shape[2], num_blocks=kv.shape[0], num_q_heads=step.q.shape[1],
+                          num_kv_heads=kv.shape[3], head_dim=step.q.shape[2], route=route, order=order)
+    return run_attention(plan, step.q, kv[:, 0], kv[:, 1], gate=step.gate, kv_cache_dtype=step.kv_cache_dtype,
+                         k_scale=step.k_scale, v_scale=step.v_scale, return_lse=True)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality (NaN payloads and -0.0 included)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype.is_floating_point:
+        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+        return torch.equal(a.contiguous().view(width), b.contiguous().view(width))
+    return torch.equal(a, b)
+
+
+@dataclass
+class Check:
+    name: str
+    runs: int = 0
+    failures: int = 0
+    detail: str = ""
+    skipped: bool = False
+
+    @property
+    def status(self) -> str:
+        return "skipped" if self.skipped else "ok" if self.failures == 0 else "FAIL"
+
+
+class Verifier:
+    """Replays a :class:`StepInputs` and records :class:`Check` results.
+
+    The attention replays use the step's captured selection; the selection is replayed on ``sample``
+    rows (all rows on the GPU; a spread of rows on the CPU, where the interpreted top-k and the
+    sorting planner of unordered rows are slow). Rows are independent in the selection and in the
+    single-row plan, so a subset tests the same property; the row grouping is never changed.
+    """
+
+    def __init__(self, step: StepInputs, *, route: str = "auto", seed: int = 0, plan_order: str = "logical",
+                 sample: int | None = None, log=print):
+        from . import ops, routes
+
+        self.step, self.route, self.order, self.log = step, route, plan_order, log
+        self.device = step.q.device
+        self.backend = ops.kernel_backend(route, self.device)
+        hq, hkv = step.q.shape[1], step.kv.shape[3]
+        self.choice = routes.choose(route, rows=step.rows, G=hq // hkv, head_dim=step.q.shape[2], device=self.device)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.checks: list[Check] = []
+        if sample is None or sample >= step.rows:
+            self.rows = torch.arange(step.rows, device=self.device)
+        else:  # spread over the step, the last (single-row route) rows included
+            self.rows = torch.linspace(0, step.rows - 1, sample).round().long().unique().to(self.device)
+        self.base_idx = step.indices
+        self.base_sel = _select(step, step.kc, step.block_table, self.backend, self.rows)
+        self.base_out, self.base_lse = _attend(step, step.kv, step.block_table, self.base_idx, route, plan_order)
+
+    def _compare(self, check: Check, sel, out, lse, what: str) -> None:
+        check.runs += 1
+        bad = [n for n, a, b in (("indices", sel, self.base_sel), ("out", out, self.base_out),
+                                 ("lse", lse, self.base_lse)) if a is not None and not _same(a, b)]
+        if bad:
+            check.failures += 1
+            diff = float((out.float() - self.base_out.float()).abs().nan_to_num(float("inf")).max())
+            check.detail = f"{what}: {', '.join(bad)} differ (max |out diff| {diff:.3g})"
+
+    def _sel_note(self) -> str:
+        n = len(self.rows)
+        return "indices" if n == self.step.rows else f"indices ({n} rows)"
+
+    def repeat(self) -> Check:
+        c = Check("repeat")
+        sel = _select(self.step, self.step.kc, self.step.block_table, self.backend, self.rows)
+        out, lse = _attend(self.step, self.step.kv, self.step.block_table, self.base_idx, self.route, self.order)
+        self._compare(c, sel, out, lse, "second run")
+        c.detail = c.detail or f"{self._sel_note()}, out and lse bitwise equal"
+        return c
+
+    def mapping(self, kind: str):
+        """A random block mapping and the relocated cache size."""
+        from .cache import collision_prone_num_blocks, random_mapping
+
+        n = self.step.kv.shape[0]
+        if kind == "permutation":
+            return random_mapping(n, generator=self.gen), n
+        if kind == "2x cache":
+            return random_mapping(n, num_blocks_out=2 * n, generator=self.gen), 2 * n
+        out = collision_prone_num_blocks(n, 16)
+        return random_mapping(n, num_blocks_out=out, generator=self.gen, collision_prone=True), out
+
+    def relocated(self, kind: str):
+        """The step's K/V and compressed-key caches moved by one random mapping, the new table, and
+        the new number of blocks."""
+        from .cache import relocate
+
+        mapping, n_out = self.mapping(kind)
+        kv, table = relocate(self.step.kv, self.step.block_table, mapping, num_blocks_out=n_out, fill="nan")
+        kc, _ = relocate(self.step.kc, self.step.block_table, mapping, num_blocks_out=n_out, fill="nan")
+        return kv, kc, table, n_out
+
+    def relocations(self, n: int) -> list[Check]:
+        kinds = ("permutation", "2x cache", "collision-prone")
+        checks = {k: Check(f"relocation ({k})") for k in kinds}
+        sizes = {}
+        for i in range(n):
+            kind = kinds[i % len(kinds)]
+            kv, kc, table, sizes[kind] = self.relocated(kind)
+            sel = _select(self.step, kc, table, self.backend, self.rows)
+            out, lse = _attend(self.step, kv, table, self.base_idx, self.route, self.order)
+            self._compare(checks[kind], sel, out, lse, f"relocation {i}")
+            self.log(f"  relocation {i + 1}/{n} ({kind}): {checks[kind].status}")
+        for kind, c in checks.items():
+            c.skipped = c.runs == 0
+            if not c.skipped and not c.detail:
+                c.detail = f"{self.step.kv.shape[0]} -> {sizes[kind]} blocks; {self._sel_note()}, out, lse bitwise equal"
+        return list(checks.values())
+
+    def permuted(self) -> Check:
+        c = Check("permuted index order")
+        perm = torch.argsort(torch.rand(self.base_idx.shape, generator=self.gen), dim=1).to(self.device)
+        idx = self.base_idx.clone()
+        idx[self.rows] = torch.gather(self.base_idx, 1, perm)[self.rows]
+        out, lse = _attend(self.step, self.step.kv, self.step.block_table, idx, self.route, self.order)
+        self._compare(c, None, out, lse, "shuffled rows")
+        n = len(self.rows)
+        c.detail = c.detail or (f"{'every row' if n == self.step.rows else f'{n} rows'}: indices shuffled; "
+                                "out and lse bitwise equal")
+        return c
+
+    def cuda_graph(self, n: int) -> Check:
+        c = Check("cuda graph replay")
+        if self.device.type != "cuda":
+            c.skipped, c.detail = True, "no GPU"
+            return c
+        from .api import plan_attention, run_attention
+
+        s = self.step
+        static = {k: getattr(s, k).clone() for k in ("kv", "kc", "block_table")}
+        nb, bs = s.kv.shape[0], s.kv.shape[2]
+        hq, hkv, d = s.q.shape[1], s.kv.shape[3], s.q.shape[2]
+        holder = {}
+
+        def body():
+            idx = _select(s, static["kc"], static["block_table"], self.backend)
+            holder["plan"] = plan_attention(idx, static["block_table"], s.token_to_req, s.positions, s.seq_lens,
+                                            block_size=bs, num_blocks=nb, num_q_heads=hq, num_kv_heads=hkv,
+                                            head_dim=d, route=self.route, order=self.order, out=holder.get("plan"),
+                                            workspace=holder.get("workspace"))
+            out, lse = run_attention(holder["plan"], s.q, static["kv"][:, 0], static["kv"][:, 1], gate=s.gate,
+                                     kv_cache_dtype=s.kv_cache_dtype, k_scale=s.k_scale, v_scale=s.v_scale,
+                                     out=holder["out"], return_lse=True)
+            return idx, out, lse
+
+        holder["out"] = torch.empty_like(s.q)
+        holder["workspace"] = _workspace_for(self.choice, s, self.device)
+        eager_idx, _, _ = body()  # warm-up: compile kernels, allocate the plan
+        eager_out, eager_lse = _attend(s, s.kv, s.block_table, eager_idx, self.route, self.order)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            g_idx, g_out, g_lse = body()
+
+        def compare(what):
+            graph.replay()
+            torch.cuda.synchronize()
+            c.runs += 1
+            bad = [n for n, a, b in (("indices", g_idx, eager_idx), ("out", g_out, eager_out),
+                                     ("lse", g_lse, eager_lse)) if not _same(a, b)]
+            if bad:
+                c.failures += 1
+                c.detail = f"{what}: {', '.join(bad)} differ from eager"
+
+        compare("replay of the original step")
+        for i in range(n):
+            kv, kc, table, _ = self.relocated("permutation")
+            static["kv"].copy_(kv)
+            static["kc"].copy_(kc)
+            static["block_table"].copy_(table)
+            compare(f"replay on relocation {i}")
+        c.detail = c.detail or (f"selection + plan + attention captured once, replayed on the original and "
+                                f"{n} relocations: bitwise equal to eager")
+        return c
+
+    def accuracy(self) -> Check:
+        """The output against the fp64 reference on a sample of rows (not bitwise; for scale)."""
+        from .reference import assert_close_like_torch, reference_attention
+
+        c = Check("fp64 reference", runs=1)
+        s = self.step
+        rows = torch.arange(s.rows, device=self.device)
+        if s.rows > SAMPLE_ROWS:
+            rows = torch.cat([rows[: SAMPLE_ROWS // 2], rows[-SAMPLE_ROWS // 2:]])
+        args = (s.q[rows], s.kv[:, 0], s.kv[:, 1], self.base_idx[rows], s.block_table, s.token_to_req[rows],
+                s.positions[rows], s.seq_lens)
+        kw = dict(gate=s.gate[rows], kv_cache_dtype=s.kv_cache_dtype, k_scale=s.k_scale, v_scale=s.v_scale)
+        ref, ref_lse = reference_attention(*args, **kw, compute_dtype=torch.float64)
+        low, low_lse = reference_attention(*args, **kw, compute_dtype=s.q.dtype)
+        try:
+            st = assert_close_like_torch(self.base_out[rows], ref, low, lse=self.base_lse[rows], ref_lse=ref_lse,
+                                         torch_lse=low_lse)
+            c.detail = f"{len(rows)} rows: max |err| {st['err']:.2e} <= {st['bound']:.2e} (2 x torch + floor)"
+        except AssertionError as e:
+            c.failures, c.detail = 1, str(e).splitlines()[0]
+        return c
+
+
+def _workspace_for(choice, step: StepInputs, device):
+    from .plan import PlanWorkspace, planner_programs, single_row_capacity
+
+    if not choice.grouped_rows:
+        return None
+    groups = -(-choice.grouped_rows // choice.group_rows)
+    return PlanWorkspace.allocate(index_width=single_row_capacity(4 * step.index_topk + 3),
+                                  group_rows=choice.group_rows, programs=planner_programs(groups, device),
+                                  device=device)
+
+
+def report(checks: list[Check]) -> str:
+    w = max(len(c.name) for c in checks)
+    head = f"{'check':<{w}s}  {'runs':>4s}  {'result':<7s}  detail"
+    lines = [head, "-" * len(head)]
+    for c in checks:
+        lines.append(f"{c.name:<{w}s}  {c.runs:>4d}  {c.status:<7s}  {c.detail}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(prog="qsa verify", description=__doc__.split("\n")[0])
+    p.add_argument("-n", "--relocations", type=int, default=None,
+                   help="random page relocations to replay (default 3 on the CPU, 12 on the GPU)")
+    p.add_argument("--seed", type=int, default=0, help="model, prompts and relocation seed")
+    p.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
+    p.add_argument("--route", default="auto", help="auto, grouped, xqa, splitk or reference")
+    p.add_argument("--sample", type=int, default=None,
+                   help=f"rows whose selection is replayed and whose indices are shuffled (default all on the "
+                        f"GPU, {CPU_SAMPLE} on the CPU)")
+    p.add_argument("--plan-order", default="logical", choices=("logical", "physical"),
+                   help="physical: replay with a physical-order grouped plan (a demonstration; expected to fail)")
+    p.add_argument("--load", metavar="FILE", help="replay a step saved with --save instead of capturing one")
+    p.add_argument("--save", metavar="FILE", help="save the captured step")
+    args = p.parse_args(argv)
+
+    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
+                          "cpu" if args.device == "auto" else args.device)
+    if device.type == "cpu" and args.route != "reference":
+        from .demo import use_interpreter
+
+        status = use_interpreter("qsa.verify", argv)
+        if status is not None:
+            return status
+    from .demo import one_thread_on_cpu
+
+    with one_thread_on_cpu(device):
+        return _verify(args, device)
+
+
+def _verify(args, device: torch.device) -> int:
+    n = args.relocations if args.relocations is not None else (12 if device.type == "cuda" else 3)
+
+    from . import routes
+
+    t0 = time.perf_counter()
+    if args.load:
+        step = StepInputs.load(args.load).to(device)
+        source = f"loaded from {args.load}"
+    else:
+        step = capture_step(device, seed=args.seed)
+        source = "captured from the tiny model (layer 0 of a mixed prefill step)"
+    if args.save:
+        step.save(args.save)
+    hq, hkv, d = step.q.shape[1], step.kv.shape[3], step.q.shape[2]
+    choice = routes.choose(args.route, rows=step.rows, G=hq // hkv, head_dim=d, device=device)
+    split = (f"{choice.grouped_rows} rows grouped + {step.rows - choice.grouped_rows} single-row"
+             if choice.route in ("grouped", "xqa") else f"all rows {choice.route}")
+    print(f"qsa verify on {device}: step {source}")
+    print(f"{step.rows} rows, {hq}/{hkv} heads x {d}, {step.kv.shape[0]} blocks of {step.kv.shape[2]}, "
+          f"top-{step.index_topk} selection; route {args.route} -> {split}")
+    if args.plan_order == "physical":
+        print("plan order physical: a demonstration of the defect the logical order fixes")
+    sample = args.sample if args.sample is not None else (None if device.type == "cuda" else CPU_SAMPLE)
+    v = Verifier(step, route=args.route, seed=args.seed, plan_order=args.plan_order, sample=sample)
+    checks = [v.repeat(), *v.relocations(n), v.permuted(), v.cuda_graph(min(n, 4)), v.accuracy()]
+    print(report(checks))
+    failed = [c for c in checks if c.status == "FAIL"]
+    print(f"{'FAIL' if failed else 'OK'}: {sum(c.runs for c in checks)} replays, "
+          f"{sum(c.failures for c in checks)} with a difference ({time.perf_counter() - t0:.1f}s)")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
