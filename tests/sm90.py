@@ -1,16 +1,27 @@
-"""Ahead-of-time compilation of Triton kernels for the H200 (sm_90) on a machine without a GPU.
+"""Ahead-of-time compilation of the kernels for the H200 (sm_90) on a machine without a GPU.
 
 The interpreter does not catch what only the GPU compiler rejects (dot shapes, layouts, shared
 memory); compiling for sm_90 here does, and reports registers, spills and shared memory.
+
+    python tests/sm90.py        # compile every kernel at its production settings
 """
 
 import os
 import re
 import subprocess
+import sys
 import tempfile
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
+
+from qsa import routes
+from qsa.kernels.common import merge_splits_kernel
+from qsa.kernels.grouped import grouped_attention_kernel
+from qsa.kernels.plan import grouped_plan_kernel, single_row_plan_kernel, single_row_sort_plan_kernel
+from qsa.kernels.splitk import splitk_attention_kernel
+from qsa.kernels.xqa import xqa_attention_kernel
 
 
 def compile_sm90(kernel, pointers: dict, constexprs: dict, floats=(), num_warps=4, num_stages=2,
@@ -55,3 +66,84 @@ def resource_usage(compiled) -> dict:
     usage["shared"] = compiled.metadata.shared
     usage["mma"] = "wgmma" if "wgmma" in compiled.asm["ptx"] else ("mma" if "mma.sync" in compiled.asm["ptx"] else "none")
     return usage
+
+
+SMEM_LIMIT = 227 * 1024
+ACT = {"fp16": tl.float16, "bf16": tl.bfloat16}
+
+
+def _attention_pointers(act, cache):
+    return {"q_ptr": f"*{act}", "k_ptr": f"*{cache}", "v_ptr": f"*{cache}", "gate_ptr": f"*{act}",
+            "out_ptr": f"*{act}", "lse_ptr": "*fp32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
+
+
+FLAGS = dict(HEAD_DIM=256, BLOCK_SIZE=16, HAS_GATE=True, RETURN_LSE=True)
+
+
+def check_grouped_kernel(act, cache, G):
+    cfg = routes.grouped_config(G, 256)
+    ptrs = {**_attention_pointers(act, cache), "ids_ptr": "*i32", "masks_ptr": "*i32", "counts_ptr": "*i32"}
+    _, usage = compile_sm90(
+        grouped_attention_kernel, ptrs,
+        dict(G=G, GROUP_ROWS=8, ROWS_PER_PROG=cfg.rows_per_prog, BLOCK_M=cfg.block_m, MB=cfg.mb, NUM_SPLITS=1,
+             KV_FP8=cache == "u8", DOT_DTYPE=ACT[act], **FLAGS),
+        floats=("qk_scale", "v_scale"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    assert usage["mma"] == "wgmma", usage
+    assert usage["shared"] <= SMEM_LIMIT, usage
+    return usage
+
+
+def check_single_row_kernel(route, cache):
+    cfg = routes.xqa_config(6, 256) if route == "xqa" else routes.splitk_config(6, 256)
+    ptrs = _attention_pointers("fp16", cache)
+    if route == "xqa":
+        kernel = xqa_attention_kernel
+        ptrs.update(ids_ptr="*i32", masks_ptr="*u8", counts_ptr="*i32")
+        cx = dict(MB=cfg.tile_tokens // 4)
+    else:
+        kernel = splitk_attention_kernel
+        ptrs.update(tok_ptr="*i32", tok_counts_ptr="*i32", bt_ptr="*i32", req_ptr="*i32")
+        cx = dict(BLOCK_N=cfg.tile_tokens)
+    _, usage = compile_sm90(kernel, ptrs, dict(G=6, BLOCK_G=16, NUM_SPLITS=4, KV_FP8=cache == "u8",
+                                               DOT_DTYPE=tl.float16, **cx, **FLAGS),
+                            floats=("qk_scale", "v_scale"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    assert usage["shared"] <= SMEM_LIMIT, usage
+    return usage
+
+
+def check_merge_and_planner_kernels():
+    compile_sm90(merge_splits_kernel, {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*fp16",
+                                       "gate_ptr": "*fp16", "lse_ptr": "*fp32"},
+                 dict(NUM_SPLITS=8, HEAD_DIM=256, BLOCK_H=8, HAS_GATE=True, RETURN_LSE=True), floats=("v_scale",))
+    rows = {"idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32",
+            "ids_ptr": "*i32", "masks_ptr": "*u8", "counts_ptr": "*i32", "unsorted_ptr": "*i32",
+            "num_unsorted_ptr": "*i32", "keys_ptr": "*i32"}
+    for chunk, warps in ((512, 4), (4096, 16)):
+        compile_sm90(single_row_plan_kernel, rows, dict(BLOCK_SIZE=16, CH=chunk, PAD=16, EMIT_TOKENS=False),
+                     num_warps=warps)
+    compile_sm90(single_row_sort_plan_kernel, rows,
+                 dict(BLOCK_SIZE=16, BLOCK_W=4096, CH=512, PAD=16, EMIT_TOKENS=True), num_warps=16)
+    groups = {"s_ids_ptr": "*i32", "s_masks_ptr": "*u8", "s_counts_ptr": "*i32", "g_ids_ptr": "*i32",
+              "g_masks_ptr": "*i32", "g_counts_ptr": "*i32", "tab_id_ptr": "*i32", "tab_key_ptr": "*i32",
+              "tab_mask_ptr": "*i32", "slot_ptr": "*i32"}
+    compile_sm90(grouped_plan_kernel, groups, dict(GROUP_ROWS=8, BLOCK_Q=8, CHUNK=1024, TABLE=32768, PAD=16),
+                 num_warps=4)
+
+
+def main() -> int:
+    """Compile every kernel at its production settings; print resource usage; non-zero on failure."""
+    for act, cache in (("fp16", "fp16"), ("bf16", "bf16"), ("fp16", "u8")):
+        for G in (6, 12, 24):
+            print(f"grouped {act}/{cache} G={G}: {check_grouped_kernel(act, cache, G)}")
+    for route in ("xqa", "splitk"):
+        for cache in ("fp16", "u8"):
+            print(f"{route} {cache}: {check_single_row_kernel(route, cache)}")
+    check_merge_and_planner_kernels()
+    print("merge and planner kernels: compiled")
+    return 0
+
+
+if __name__ == "__main__":
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise SystemExit("run without TRITON_INTERPRET: this compiles for the GPU")
+    sys.exit(main())
