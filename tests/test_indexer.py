@@ -16,7 +16,6 @@ from qsa import indexer_reference as ref
 NAN, INF = float("nan"), float("inf")
 
 
-# ---------------------------------------------------------------------------------------------
 # helpers
 
 
@@ -72,19 +71,25 @@ def rows_for(seq_lens, picks, seed=0):
     return torch.tensor(req, dtype=torch.int32), torch.tensor(pos, dtype=torch.int64)
 
 
-# ---------------------------------------------------------------------------------------------
 # top-k
 
 
+TOPK_PATHS = {
+    "tile": None,                                                    # whole row in registers
+    "tile_emit_chunks": dict(SINGLE_TILE=True, BLOCK_N=64, EMIT_BLOCK=16, OUT_BLOCK=16),
+    "chunked": dict(SINGLE_TILE=False, BLOCK_N=16, EMIT_BLOCK=16, OUT_BLOCK=16),   # radix select
+}
+
+
 @pytest.mark.parametrize("k", [1, 3, 8])
-@pytest.mark.parametrize("path", ["tile", "chunked"])
+@pytest.mark.parametrize("path", list(TOPK_PATHS))
 def test_topk_blocks_exact(device, k, path):
     n = 40
     vis = visible_cases(n, k)
     s = special_scores(vis.shape[0], n, seed=k)
     s[0, :] = NAN                                                    # a row of NaN only
     s[1, :] = 2.0                                                    # a row of ties only
-    config = None if path == "tile" else dict(SINGLE_TILE=False, BLOCK_N=16, EMIT_BLOCK=16, OUT_BLOCK=16)
+    config = TOPK_PATHS[path]
     out = poisoned((s.shape[0], k), torch.int32, device).fill_(12345)
     ix._launch_topk(s.to(device), out, k, from_scores=True, visible=vis.to(device), config=config)
     want = ref.topk_blocks_reference(s, vis, k)
@@ -92,7 +97,7 @@ def test_topk_blocks_exact(device, k, path):
     assert torch.equal(ix.topk_blocks(s.to(device), vis.to(device), k).cpu(), want)
 
 
-@pytest.mark.parametrize("path", ["tile", "chunked"])
+@pytest.mark.parametrize("path", list(TOPK_PATHS))
 def test_topk_distinct_scores(device, path):
     """Distinct scores end the bit search early; partial ties at the threshold do not."""
     k, n = 7, 300
@@ -102,7 +107,8 @@ def test_topk_distinct_scores(device, path):
     s[4] = torch.randn(n, generator=g).abs() * 1e-39                 # subnormals
     s[5] = -torch.randn(n, generator=g).abs()                       # all negative
     vis = torch.tensor([n, 250, 9, n, n, n])
-    config = None if path == "tile" else dict(SINGLE_TILE=False, BLOCK_N=64, EMIT_BLOCK=32)
+    config = {"tile": None, "tile_emit_chunks": dict(SINGLE_TILE=True, BLOCK_N=512, EMIT_BLOCK=32),
+              "chunked": dict(SINGLE_TILE=False, BLOCK_N=64, EMIT_BLOCK=32)}[path]
     out = torch.empty(6, k, dtype=torch.int32, device=device)
     ix._launch_topk(s.to(device), out, k, from_scores=True, visible=vis.to(device), config=config)
     assert torch.equal(out.cpu(), ref.topk_blocks_reference(s, vis, k))
@@ -206,7 +212,6 @@ def test_wrong_orderings_are_rejected(device, variant):
     assert not torch.equal(wrong, got), variant
 
 
-# ---------------------------------------------------------------------------------------------
 # expansion
 
 
@@ -257,7 +262,6 @@ def test_wrong_expansions_are_rejected(device, variant):
     assert not torch.equal(got, _wrong_expand(blocks, req, pos, seq, variant))
 
 
-# ---------------------------------------------------------------------------------------------
 # scores and the whole stage
 
 
@@ -345,7 +349,6 @@ def test_select_tokens_matches_baseline(device):
     assert torch.equal(got.cpu(), ix.torch_select_baseline(*args, k=5).cpu())
 
 
-# ---------------------------------------------------------------------------------------------
 # compressed-key feeding
 
 
@@ -411,7 +414,6 @@ def test_compressed_keys_invalid_table_entry_skipped(device):
     assert (kc[[0, 1, 3]] == 5.0).all()
 
 
-# ---------------------------------------------------------------------------------------------
 # argument checks
 
 
@@ -449,7 +451,6 @@ def test_bad_arguments(device):
                                   kc, bt, torch.zeros(3, 4, 128, device=device))
 
 
-# ---------------------------------------------------------------------------------------------
 # GPU: production sizes, bitwise, CUDA graphs
 
 
