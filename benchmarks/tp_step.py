@@ -1,0 +1,142 @@
+"""Step time of one QSA layer at TP1 and TP2 (NCCL) on the GPU: a prefill chunk and a decode batch.
+
+Every rank builds the reference-shape layer (24/2 heads of 256, index 4 x 128, top-512) with its head
+shard, fills a paged context for ``--requests`` requests of ``--context`` tokens (untimed), then times
+
+* prefill: one chunk of ``--chunk`` rows at the end of request 0's context (eager; launch overhead is
+  small next to the work);
+* decode: one row per request (eager, and replayed from a CUDA graph);
+
+with CUDA events (median of ``--reps``; the all-reduce included). Rank 0 reports.
+
+Run from the checkout root: ``PYTHONPATH=src python -m benchmarks.tp_step [--tp 1 2] [--context 8192]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+import torch
+import torch.multiprocessing as mp
+
+
+def _median_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
+    from qsa.cache import BlockAllocator
+    from qsa.layer import QSAAttention, QSAConfig, StepMetadata
+    from qsa.serving import prefill_schedule
+    from qsa.tp import TPInfo, destroy, init_local_group
+
+    if world > 1:
+        tp = init_local_group(rank, world, port, backend="nccl")
+    else:
+        torch.cuda.set_device(0)
+        tp = TPInfo()
+    dev = torch.device("cuda", torch.cuda.current_device())
+    cfg = QSAConfig()
+    layer = QSAAttention(cfg, tp=tp, seed=0, device=dev)
+    bs, R, L = args.block_size, args.requests, args.context
+    max_blocks = -(-(L + 1) // bs)
+    num_blocks = R * max_blocks + 8
+    cache = layer.allocate_cache(num_blocks, bs, R, fill="zeros")
+    alloc = BlockAllocator(num_blocks, bs, generator=0)
+    table = torch.full((R, max_blocks), -1, dtype=torch.int32)
+    lens = [0] * R
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def meta_for(chunks):
+        t2r, pos, slots = [], [], []
+        for slot, start, end in chunks:
+            blocks = alloc.allocate(slot, end)
+            table[slot, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            lens[slot] = max(lens[slot], end)
+            t2r += [slot] * (end - start)
+            pos += range(start, end)
+            slots.append(alloc.slot_mapping(slot, start, end))
+        return StepMetadata.build(t2r, pos, lens, table, torch.cat(slots), block_size=bs, device=dev)
+
+    def hidden(rows):
+        return torch.randn(rows, cfg.hidden_size, generator=gen, device=dev).to(cfg.dtype)
+
+    with torch.no_grad():
+        for step in prefill_schedule([L] * R, args.chunk):
+            meta = meta_for([(c.slot, c.start, c.end) for c in step])
+            layer(hidden(meta.num_rows), meta, cache)
+        torch.cuda.synchronize()
+
+        meta = meta_for([(0, L - args.chunk, L)])
+        x = hidden(args.chunk)
+        layer(x, meta, cache)
+        prefill_ms = _median_ms(lambda: layer(x, meta, cache), args.reps)
+
+        dmeta = meta_for([(r, L, L + 1) for r in range(R)])
+        dx = hidden(R)
+        layer(dx, dmeta, cache)
+        decode_ms = _median_ms(lambda: layer(dx, dmeta, cache), args.reps)
+        graph = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            layer(dx, dmeta, cache)
+        graph.replay()
+        decode_graph_ms = _median_ms(graph.replay, args.reps)
+
+    if rank == 0:
+        with open(out_path, "w") as f:
+            json.dump(dict(tp=world, heads=f"{layer.num_q_heads}/{layer.num_kv_heads}", prefill_ms=prefill_ms,
+                           decode_ms=decode_ms, decode_graph_ms=decode_graph_ms), f)
+    if world > 1:
+        destroy()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="benchmarks.tp_step", description=__doc__.split("\n")[0])
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    p.add_argument("--requests", type=int, default=8)
+    p.add_argument("--context", type=int, default=8192, help="tokens of each request before the timed steps")
+    p.add_argument("--chunk", type=int, default=2048, help="rows of the timed prefill step")
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks.tp_step needs CUDA GPUs", file=sys.stderr)
+        return 2
+    from qsa.tp import free_port
+
+    rows = []
+    for world in args.tp:
+        if world > torch.cuda.device_count():
+            print(f"TP{world}: skipped ({torch.cuda.device_count()} GPUs)")
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "result.json")
+            mp.spawn(_worker, args=(world, free_port(), args, out), nprocs=world, join=True)
+            with open(out) as f:
+                rows.append(json.load(f))
+    print(f"{args.requests} requests x {args.context} tokens of context, prefill chunk {args.chunk}, "
+          f"block size {args.block_size}; {torch.cuda.get_device_name()}")
+    print(f"{'TP':>3s} {'heads/rank':>10s} {'prefill ms':>10s} {'prefill tok/s':>13s} {'decode ms':>9s} "
+          f"{'decode graph ms':>15s}")
+    for r in rows:
+        print(f"{r['tp']:>3d} {r['heads']:>10s} {r['prefill_ms']:>10.3f} {args.chunk / r['prefill_ms'] * 1e3:>13.0f} "
+              f"{r['decode_ms']:>9.3f} {r['decode_graph_ms']:>15.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
