@@ -19,8 +19,8 @@ def _cpu_env():
 
 def test_demo_cli_cpu_default():
     """``qsa demo`` with no arguments: the reference route, two placements, bitwise equal logits."""
-    res = subprocess.run([sys.executable, "-m", "qsa.cli", "demo"], capture_output=True, text=True,
-                         env=_cpu_env(), timeout=300)
+    res = subprocess.run([sys.executable, "-m", "qsa.cli", "demo", "--", "--device", "cpu"], capture_output=True,
+                         text=True, env=_cpu_env(), timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
     assert "bitwise equal" in out and "OK:" in out
@@ -30,11 +30,13 @@ def test_demo_cli_cpu_default():
     assert len(table) == 2 and table[0].split()[3] != table[1].split()[3]  # different first blocks
 
 
-def test_demo_physical_order_shows_the_defect(capsys):
+def test_demo_physical_order_shows_the_defect(capfd):
     """Under the interpreter: the logical plan stays bitwise equal across placements, the physical one
-    does not (the grouped kernel runs: 64-row chunks)."""
-    status = demo.main(["--plan-order", "physical", "--requests", "1", "--prompt-len", "128", "--new-tokens", "2"])
-    out = capsys.readouterr().out
+    does not (the grouped kernel runs: 64-row chunks). On a machine with a GPU the CPU demo reruns
+    itself with the interpreter on (hence capfd)."""
+    status = demo.main(["--device", "cpu", "--plan-order", "physical", "--requests", "1", "--prompt-len", "128",
+                        "--new-tokens", "2"])
+    out = capfd.readouterr().out
     assert status == 0, out
     assert "(prefill chunks: grouped)" in out
     assert "logical order, placements A vs B: bitwise equal" in out
@@ -53,7 +55,7 @@ def test_demo_fails_on_a_placement_dependent_defect(monkeypatch, capsys):
         return torch.where((page % 3 == 0) & (out > 0), -1, out)
 
     monkeypatch.setattr(ops, "select_tokens_torch", placement_dependent)
-    status = demo.main(["--route", "reference", "--requests", "2", "--prompt-len", "40", "--new-tokens", "2",
+    status = demo.main(["--device", "cpu", "--route", "reference", "--requests", "2", "--prompt-len", "40", "--new-tokens", "2",
                         "--chunk", "32", "--no-warmup"])
     out = capsys.readouterr().out
     assert status == 1
@@ -68,11 +70,11 @@ def test_progress_bar_prints_once_off_a_terminal(capsys):
     assert len(lines) == 1 and "[" + "#" * 32 + "]" in lines[0] and "5/5" in lines[0]
 
 
-def test_verify_cpu_default(capsys):
-    """No arguments (one relocation to keep the test short): every check passes, the graph check is
+def test_verify_cpu_default(capfd):
+    """The CPU default (one relocation to keep the test short): every check passes, the graph check is
     skipped on the CPU, and both the grouped and the single-row route ran."""
-    status = verify.main(["-n", "1"])
-    out = capsys.readouterr().out
+    status = verify.main(["--device", "cpu", "-n", "1"])
+    out = capfd.readouterr().out
     assert status == 0, out
     assert "72 rows grouped + 4 single-row" in out
     for line in ("repeat", "relocation (permutation)", "permuted index order", "fp64 reference"):
@@ -82,8 +84,9 @@ def test_verify_cpu_default(capsys):
 
 def test_verify_save_load_and_exit_status(tmp_path, monkeypatch, capsys):
     path = str(tmp_path / "step.pt")
-    assert verify.main(["--route", "reference", "--save", path, "-n", "2"]) == 0
-    assert verify.main(["--route", "reference", "--load", path, "-n", "3"]) == 0
+    cpu_ref = ["--device", "cpu", "--route", "reference"]
+    assert verify.main(["--", *cpu_ref, "--save", path, "-n", "2"]) == 0  # as "qsa verify -- ..." passes it
+    assert verify.main([*cpu_ref, "--load", path, "-n", "3"]) == 0
     assert "loaded from" in capsys.readouterr().out
 
     real = verify._attend
@@ -93,15 +96,15 @@ def test_verify_save_load_and_exit_status(tmp_path, monkeypatch, capsys):
         return out + table[0, 0].to(out.dtype), lse
 
     monkeypatch.setattr(verify, "_attend", placement_dependent)
-    assert verify.main(["--route", "reference", "--load", path, "-n", "3"]) == 1
+    assert verify.main([*cpu_ref, "--load", path, "-n", "3"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "out differ" in out
 
 
-def test_verify_catches_the_physical_order():
+def test_verify_catches_the_physical_order(device):
     """fp16 data (rounding flips show more often than in bf16): with the physical-order plan a
     relocation changes the bits, and the verifier says so."""
-    step = verify.capture_step("cpu")
+    step = verify.capture_step("cpu").to(device)
     step.q, step.gate, step.kv = step.q.half(), step.gate.half(), step.kv.half()
     v = verify.Verifier(step, route="auto", plan_order="physical", sample=2, log=lambda *_: None)
     checks = v.relocations(1)

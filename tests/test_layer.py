@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from qsa import indexer_reference as iref
+from qsa import ops
 from qsa.layer import (QSAAttention, QSAConfig, StepMetadata, apply_rope, index_key_transform, layer_reference,
                        rms_norm, rope_cos_sin)
 from qsa.reference import rounding_floor
@@ -120,26 +121,38 @@ def test_weights_shard_consistently():
 # the whole layer
 
 
+def _selection_like(s, device):
+    """What the step's selection must equal: on the CPU the loop reference (fp32 dot products come out
+    the same there); on a GPU, where tensor-core sums round differently, the same implementation
+    called directly on the captured inputs (the layer's plumbing)."""
+    m = s["meta"]
+    args = (s["iq"], s["kc"], m.block_table, m.token_to_req, m.positions, m.seq_lens)
+    if torch.device(device).type == "cpu":
+        return iref.select_tokens_reference(*args, k=TINY.index_topk)
+    if m.backend == "torch":
+        return ops.select_tokens_torch(*args, k=TINY.index_topk).cpu()
+    from qsa.indexer import select_tokens
+
+    return select_tokens(*args, k=TINY.index_topk).cpu()
+
+
 @pytest.mark.parametrize("route", ["reference", "auto", "grouped"])
-def test_layer_matches_references(route):
+def test_layer_matches_references(device, route):
     """Chunked prefill + decode (with padding rows) against: the fp64 layer given the selection, the
     loop reference of the selection on the layer's own index queries and keys, the reference
     compressed keys. Caches start as NaN, so a read of an unwritten slot would show."""
-    layer = QSAAttention(TINY, seed=1)
-    xs = inputs(seed=2)
+    layer = QSAAttention(TINY, seed=1, device=device)
+    xs = inputs(seed=2, device=device)
     out, steps, cache = run_layer(layer, xs, **RUN, route=route, capture=True, allocator_seed=5)
     assert torch.isfinite(out).all()
     for s in steps:
-        m = s["meta"]
         assert torch.equal(s["y"][len(s["rows"]):], torch.zeros_like(s["y"][len(s["rows"]):]))  # padding rows
-        want = iref.select_tokens_reference(s["iq"], s["kc"], m.block_table, m.token_to_req, m.positions,
-                                            m.seq_lens, k=TINY.index_topk)
-        assert torch.equal(s["indices"].cpu(), want), "selection differs from the loop reference"
+        assert torch.equal(s["indices"].cpu(), _selection_like(s, device)), "selection differs"
     # compressed keys: mean of each group of 4 raw keys, RMSNorm, RoPE at 4b
     ik = torch.cat([s["ik"][:len(s["rows"])] for s in steps])
     rows = torch.cat([torch.tensor(s["rows"]) for s in steps])
     ik_by_row = torch.empty_like(ik)
-    ik_by_row[rows] = ik
+    ik_by_row[rows.to(ik.device)] = ik
     transform = index_key_transform(layer.index_k_norm, TINY.rms_norm_eps, TINY.index_rotary_dim, TINY.rope_theta)
     table = steps[-1]["meta"].block_table
     start = 0
@@ -182,25 +195,25 @@ def test_reference_check_rejects_wrong_layers(reference_run, variant):
 
 
 @pytest.mark.parametrize("route", ["reference", "auto"])
-def test_layer_bitwise_across_page_placements(route):
-    layer = QSAAttention(TINY, seed=4)
-    xs = inputs(seed=5, lens=(25, 14))
+def test_layer_bitwise_across_page_placements(device, route):
+    layer = QSAAttention(TINY, seed=4, device=device)
+    xs = inputs(seed=5, lens=(25, 14), device=device)
     run = dict(chunk_size=13, decode_tokens=2, block_size=8, pad_rows=1)
     outs = [run_layer(layer, xs, **run, route=route, allocator_seed=s, num_blocks=40)[0] for s in (11, 12)]
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 
-def test_plan_buffers_shared_across_layers():
+def test_plan_buffers_shared_across_layers(device):
     """Two layers in one step: the second refills the first's plan buffers and workspace and gets the
     same bits as with fresh ones."""
-    a, b = QSAAttention(TINY, seed=6), QSAAttention(TINY, seed=7)
-    xs = inputs(seed=8, lens=(24,))
+    a, b = QSAAttention(TINY, seed=6, device=device), QSAAttention(TINY, seed=7, device=device)
+    xs = inputs(seed=8, lens=(24,), device=device)
     ca = a.allocate_cache(8, 8, 1)
     cb = b.allocate_cache(8, 8, 1)
     cb_alone = b.allocate_cache(8, 8, 1)
     table = torch.tensor([[3, 1, 6]], dtype=torch.int32)
     slots = torch.cat([torch.arange(8) + 8 * p for p in (3, 1, 6)])
-    build = dict(block_size=8, device="cpu", route="grouped", backend="torch")
+    build = dict(block_size=8, device=device, route="grouped", backend="torch")
     meta = StepMetadata.build([0] * 24, list(range(24)), [24], table, slots, **build)
     a(xs[0], meta, ca)
     plan, ws, buf = meta.plan, meta.workspace, meta.attn_out
@@ -215,6 +228,7 @@ def test_plan_buffers_shared_across_layers():
     assert torch.equal(y_shared, y_alone)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_layer_under_torch_compile_aot_eager():
     """Dynamo traces the layer through the custom ops (fake implementations, mutation of the caches)
     with a full graph; the result is bitwise the eager one."""
@@ -227,6 +241,7 @@ def test_layer_under_torch_compile_aot_eager():
     assert torch.equal(got, eager)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
 def test_layer_under_torch_compile_inductor():
     """One step through inductor on the CPU: the same selection and an output within the reference
     bound (inductor fuses the norms and RoPE, so rounding may differ)."""

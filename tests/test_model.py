@@ -49,9 +49,9 @@ def test_model_shapes_and_padding():
 
 
 @pytest.mark.parametrize("route", ["reference", "auto"])
-def test_engine_bitwise_across_allocations(route):
+def test_engine_bitwise_across_allocations(device, route):
     """Two block allocators with different shuffles: the same logits bit for bit (caches start NaN)."""
-    model = TinyQSAModel(MICRO)
+    model = TinyQSAModel(MICRO, device=device)
     ps = prompts([11, 17, 6], 96, seed=1)
     runs = [serve(model, ps, 2, chunk_size=16, route=route, allocator_seed=s, max_reqs=3) for s in (3, 4)]
     assert torch.equal(runs[0].logits.view(torch.int32), runs[1].logits.view(torch.int32))

@@ -127,7 +127,7 @@ def test_update_compressed_keys_torch_matches_kernel_and_reference(device, with_
     req_ids = torch.zeros(L, dtype=torch.int32)
     positions = torch.arange(L)
     results = []
-    for fn, dev in ((ops.update_compressed_keys_torch, "cpu"), (update_compressed_keys, device)):
+    for fn, dev in ((ops.update_compressed_keys_torch, device), (update_compressed_keys, device)):
         kc = torch.full((8, block_size // 4, D), NAN, device=dev)
         partial = torch.full((1, 3, D), NAN, device=dev)
         _feed(fn, raw.to(dev), req_ids.to(dev), positions.to(dev), kc, bt.to(dev), partial,
@@ -136,7 +136,7 @@ def test_update_compressed_keys_torch_matches_kernel_and_reference(device, with_
     (kc_t, part_t), (kc_k, part_k) = results
     assert torch.equal(kc_t.nan_to_num(123.0), kc_k.nan_to_num(123.0))
     assert torch.equal(part_t, part_k)
-    want = iref.compressed_keys_reference(raw, transform)
+    want = iref.compressed_keys_reference(raw.to(device), transform).cpu()
     got = torch.stack([kc_t[int(bt[0, b // 2]), b % 2] for b in range(L // 4)])
     assert torch.equal(got, want)
     assert torch.equal(part_t[0, :3], raw[24:27])
@@ -151,7 +151,7 @@ def test_write_kv_torch_matches_kernel(device, kv_cache_dtype):
     v = torch.randn(9, 2, 16, generator=g).to(torch.bfloat16)
     slots = torch.tensor([3, 17, -1, 40, 63, 64, 1000, 5, 0])
     caches = []
-    for fn, dev in ((ops.write_kv_torch, "cpu"), (write_kv, device)):
+    for fn, dev in ((ops.write_kv_torch, device), (write_kv, device)):
         c = allocate_kv_cache(8, 8, 2, 16, dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype, fill="nan",
                               device=dev, k_scale=0.5, v_scale=0.25)
         fn(c.k, c.v, k.to(dev), v.to(dev), slots.to(dev), kv_cache_dtype=kv_cache_dtype, k_scale=c.k_scale,
