@@ -194,7 +194,7 @@ def _demo(args, device: torch.device, physical_cpu: bool) -> int:
     graph = device.type == "cuda" and not args.no_cuda_graph
     resolved = routes.choose(args.route, rows=args.chunk, G=a.num_heads // a.num_kv_heads, head_dim=a.head_dim,
                              device=device).route
-    print(f"qsa demo: tiny QSA model on {device}: {args.layers} layers, hidden {a.hidden_size}, "
+    print(f"qsa demo: tiny QSA model on {device}: {args.layers} layer{'s' * (args.layers != 1)}, hidden {a.hidden_size}, "
           f"{a.num_heads}/{a.num_kv_heads} heads x {a.head_dim}, index {a.index_heads} x {a.index_head_dim}, "
           f"top-{a.index_topk} blocks, {str(a.dtype).replace('torch.', '')}")
     print(f"{len(prompts)} requests of {', '.join(map(str, lens))} prompt tokens, {args.new_tokens} new tokens "
