@@ -19,7 +19,7 @@ def _cpu_env():
 
 def test_demo_cli_cpu_default():
     """``qsa demo`` with no arguments: the reference route, two placements, bitwise equal logits."""
-    res = subprocess.run([sys.executable, "-m", "qsa.cli", "demo", "--", "--device", "cpu"], capture_output=True,
+    res = subprocess.run([sys.executable, "-m", "qsa.cli", "demo", "--device", "cpu"], capture_output=True,
                          text=True, env=_cpu_env(), timeout=300)
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
@@ -85,7 +85,7 @@ def test_verify_cpu_default(capfd):
 def test_verify_save_load_and_exit_status(tmp_path, monkeypatch, capsys):
     path = str(tmp_path / "step.pt")
     cpu_ref = ["--device", "cpu", "--route", "reference"]
-    assert verify.main(["--", *cpu_ref, "--save", path, "-n", "2"]) == 0  # as "qsa verify -- ..." passes it
+    assert verify.main([*cpu_ref, "--save", path, "-n", "2"]) == 0
     assert verify.main([*cpu_ref, "--load", path, "-n", "3"]) == 0
     assert "loaded from" in capsys.readouterr().out
 

@@ -38,35 +38,33 @@ def info(args) -> int:
     return 0
 
 
-def _delegate(module: str):
-    def run(args) -> int:
-        return importlib.import_module(module).main(args.rest)
-    return run
+COMMANDS = {
+    "demo": ("qsa.demo", "run the tiny QSA model twice with different page placements"),
+    "verify": ("qsa.verify", "replay a step under relocations, permutations and CUDA graphs"),
+    "bench": ("benchmarks.run", "benchmark scenarios (from a source checkout)"),
+}
 
 
-def _bench(args) -> int:
-    root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
-    if not os.path.isdir(os.path.join(root, "benchmarks")):
-        print("qsa bench runs from a source checkout (benchmarks/ next to src/)", file=sys.stderr)
-        return 2
-    sys.path.insert(0, root)
-    return importlib.import_module("benchmarks.run").main(args.rest)
+def _run_module(module: str, argv: list) -> int:
+    if module.startswith("benchmarks."):
+        root = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
+        if not os.path.isdir(os.path.join(root, "benchmarks")):
+            print("qsa bench runs from a source checkout (benchmarks/ next to src/)", file=sys.stderr)
+            return 2
+        sys.path.insert(0, root)
+    return importlib.import_module(module).main(argv)
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Subcommands with options of their own get the rest of the command line untouched.
+    if argv and argv[0] in COMMANDS:
+        return _run_module(COMMANDS[argv[0]][0], argv[1:])
     parser = argparse.ArgumentParser(prog="qsa", description="QSA sparse paged attention kernels")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("info", help="versions, device, supported routes").set_defaults(func=info)
-    for name, module, text in (
-        ("demo", "qsa.demo", "run the tiny QSA model twice with different page placements"),
-        ("verify", "qsa.verify", "replay a step under relocations, permutations and CUDA graphs"),
-    ):
-        p = sub.add_parser(name, help=text, add_help=False)
-        p.add_argument("rest", nargs=argparse.REMAINDER)
-        p.set_defaults(func=_delegate(module))
-    p = sub.add_parser("bench", help="benchmark scenarios (from a source checkout)", add_help=False)
-    p.add_argument("rest", nargs=argparse.REMAINDER)
-    p.set_defaults(func=_bench)
+    for name, (_, text) in COMMANDS.items():
+        sub.add_parser(name, help=f"{text} (see qsa {name} --help)")
     args = parser.parse_args(argv)
     return args.func(args)
 

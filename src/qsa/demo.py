@@ -135,8 +135,6 @@ def _table(runs: list[RunResult]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--"]:  # "qsa <command> -- --option ..." gets options past the top-level parser
-        argv = argv[1:]
     p = argparse.ArgumentParser(prog="qsa demo", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
     p.add_argument("--route", default="auto", help="attention route: auto, grouped, xqa, splitk, reference")

@@ -351,8 +351,6 @@ def report(checks: list[Check]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--"]:  # "qsa <command> -- --option ..." gets options past the top-level parser
-        argv = argv[1:]
     p = argparse.ArgumentParser(prog="qsa verify", description=__doc__.split("\n")[0])
     p.add_argument("-n", "--relocations", type=int, default=None,
                    help="random page relocations to replay (default 3 on the CPU, 12 on the GPU)")
