@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from qsa import demo, ops, verify
+from qsa import demo, indexer, verify
 
 
 def _cpu_env():
@@ -45,7 +45,7 @@ def test_demo_physical_order_shows_the_defect(capfd):
 
 def test_demo_fails_on_a_placement_dependent_defect(monkeypatch, capsys):
     """A selection that (wrongly) depends on physical block ids makes the demo exit 1."""
-    real = ops.select_tokens_torch
+    real = indexer._select_tokens_torch
 
     def placement_dependent(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, *, k):
         out = real(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, k=k)
@@ -54,7 +54,7 @@ def test_demo_fails_on_a_placement_dependent_defect(monkeypatch, capsys):
         page = block_table.long()[req, (out.long().clamp(min=0) // bs)]
         return torch.where((page % 3 == 0) & (out > 0), -1, out)
 
-    monkeypatch.setattr(ops, "select_tokens_torch", placement_dependent)
+    monkeypatch.setattr(indexer, "_select_tokens_torch", placement_dependent)
     status = demo.main(["--device", "cpu", "--route", "reference", "--requests", "2", "--prompt-len", "40", "--new-tokens", "2",
                         "--chunk", "32", "--no-warmup"])
     out = capsys.readouterr().out

@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from conftest import HAS_CUDA, poisoned
+from conftest import poisoned
 from qsa import indexer as ix
 from qsa import indexer_reference as ref
 

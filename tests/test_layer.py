@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from qsa import indexer_reference as iref
-from qsa import ops
+from qsa.indexer import select_tokens
 from qsa.layer import (QSAAttention, QSAConfig, StepMetadata, apply_rope, index_key_transform, layer_reference,
                        rms_norm, rope_cos_sin)
 from qsa.reference import rounding_floor
@@ -129,11 +129,7 @@ def _selection_like(s, device):
     args = (s["iq"], s["kc"], m.block_table, m.token_to_req, m.positions, m.seq_lens)
     if torch.device(device).type == "cpu":
         return iref.select_tokens_reference(*args, k=TINY.index_topk)
-    if m.backend == "torch":
-        return ops.select_tokens_torch(*args, k=TINY.index_topk).cpu()
-    from qsa.indexer import select_tokens
-
-    return select_tokens(*args, k=TINY.index_topk).cpu()
+    return select_tokens(*args, k=TINY.index_topk, backend=m.backend).cpu()
 
 
 @pytest.mark.parametrize("route", ["reference", "auto", "grouped"])

@@ -4,13 +4,16 @@ The PyTorch paths are checked exactly against the loop references and against th
 (interpreter on the CPU); the ops pass ``torch.library.opcheck`` and run under ``torch.compile``.
 """
 
+import functools
+
 import pytest
 import torch
 
 from conftest import HAS_CUDA
 from qsa import indexer_reference as iref
-from qsa import ops
+from qsa import ops, routes
 from qsa.cache import allocate_kv_cache, quantize_e4m3
+from qsa.indexer import select_tokens
 from qsa.layer import index_key_transform
 
 NAN = float("nan")
@@ -48,11 +51,15 @@ def selection_case(*, seed=0, D=32, H=4, block_size=8, integer=True, dtype=torch
     return tuple(t.to(device) for t in (q, kc, bt, req, pos, seq))
 
 
+def _select_torch(*args, k):
+    return select_tokens(*args, k=k, backend="torch")
+
+
 @pytest.mark.parametrize("k", [1, 3, 8, 40])
 @pytest.mark.parametrize("integer", [True, False])
 def test_select_tokens_torch_matches_loop_reference(k, integer):
     args = selection_case(seed=k, integer=integer)
-    got = ops.select_tokens_torch(*args, k=k)
+    got = _select_torch(*args, k=k)
     want = iref.select_tokens_reference(*args, k=k)
     assert got.dtype == torch.int32 and got.shape == (args[0].shape[0], 4 * k + 3)
     assert torch.equal(got, want)
@@ -67,7 +74,7 @@ def test_select_tokens_torch_ties_nan_and_signed_zero():
     q[0, 0, 1] = -0.0
     kc = kc.clone()
     kc[int(bt[0, 0]), 0, 1] = NAN  # logical block 0 of requests 0 and 1 (aliased page)
-    got = ops.select_tokens_torch(q, kc, bt, req, pos, seq, k=4)
+    got = _select_torch(q, kc, bt, req, pos, seq, k=4)
     want = iref.select_tokens_reference(q, kc, bt, req, pos, seq, k=4)
     assert torch.equal(got, want)
     # row 0 (pos 69): all scores 0 except NaN block 0 -> blocks 1, 2, 3, 4
@@ -76,9 +83,8 @@ def test_select_tokens_torch_ties_nan_and_signed_zero():
 
 def test_select_tokens_torch_matches_kernel(device):
     args = selection_case(seed=3, D=32, integer=True, device=device)
-    from qsa.indexer import select_tokens
 
-    assert torch.equal(ops.select_tokens_torch(*args, k=5).cpu(), select_tokens(*args, k=5).cpu())
+    assert torch.equal(_select_torch(*args, k=5).cpu(), select_tokens(*args, k=5).cpu())
 
 
 def _select_ties_high(q, kc, bt, req, pos, seq, k):
@@ -100,10 +106,10 @@ def test_wrong_selection_is_rejected():
     q, *rest = selection_case(seed=2)
     q[:3] = 0  # all-tied rows
     case = (q, *rest)
-    assert torch.equal(ops.select_tokens_torch(*case, k=3), iref.select_tokens_reference(*case, k=3))
-    assert not torch.equal(_select_ties_high(*case, k=3), ops.select_tokens_torch(*case, k=3))
+    assert torch.equal(_select_torch(*case, k=3), iref.select_tokens_reference(*case, k=3))
+    assert not torch.equal(_select_ties_high(*case, k=3), _select_torch(*case, k=3))
     tie_free = selection_case(seed=2, integer=False)
-    assert torch.equal(_select_ties_high(*tie_free, k=3), ops.select_tokens_torch(*tie_free, k=3))
+    assert torch.equal(_select_ties_high(*tie_free, k=3), _select_torch(*tie_free, k=3))
 
 
 def _feed(fn, raw, req_ids, positions, kc, bt, partial, chunks, transform):
@@ -127,7 +133,8 @@ def test_update_compressed_keys_torch_matches_kernel_and_reference(device, with_
     req_ids = torch.zeros(L, dtype=torch.int32)
     positions = torch.arange(L)
     results = []
-    for fn, dev in ((ops.update_compressed_keys_torch, device), (update_compressed_keys, device)):
+    for fn, dev in ((functools.partial(update_compressed_keys, backend="torch"), device),
+                    (functools.partial(update_compressed_keys, backend="triton"), device)):
         kc = torch.full((8, block_size // 4, D), NAN, device=dev)
         partial = torch.full((1, 3, D), NAN, device=dev)
         _feed(fn, raw.to(dev), req_ids.to(dev), positions.to(dev), kc, bt.to(dev), partial,
@@ -151,7 +158,8 @@ def test_write_kv_torch_matches_kernel(device, kv_cache_dtype):
     v = torch.randn(9, 2, 16, generator=g).to(torch.bfloat16)
     slots = torch.tensor([3, 17, -1, 40, 63, 64, 1000, 5, 0])
     caches = []
-    for fn, dev in ((ops.write_kv_torch, device), (write_kv, device)):
+    for fn, dev in ((functools.partial(write_kv, backend="torch"), device),
+                    (functools.partial(write_kv, backend="triton"), device)):
         c = allocate_kv_cache(8, 8, 2, 16, dtype=torch.bfloat16, kv_cache_dtype=kv_cache_dtype, fill="nan",
                               device=dev, k_scale=0.5, v_scale=0.25)
         fn(c.k, c.v, k.to(dev), v.to(dev), slots.to(dev), kv_cache_dtype=kv_cache_dtype, k_scale=c.k_scale,
@@ -241,9 +249,9 @@ def test_fake_shapes():
 
 
 def test_kernel_backend():
-    assert ops.kernel_backend("reference", "cpu") == "torch"
+    assert routes.kernel_backend("reference", "cpu") == "torch"
     # the interpreter is on in a CPU test run
-    assert ops.kernel_backend("auto", "cuda" if HAS_CUDA else "cpu") == "triton"
+    assert routes.kernel_backend("auto", "cuda" if HAS_CUDA else "cpu") == "triton"
     with pytest.raises(ValueError, match="backend"):
         ops.write_kv(torch.zeros(1, 2, 4, 1, 8), torch.zeros(0, 1, 8), torch.zeros(0, 1, 8),
                      torch.zeros(0, dtype=torch.int64), backend="cuda")

@@ -21,6 +21,7 @@ from numbers import Real
 
 import torch
 
+from . import routes
 from .kernels.cache_write import cache_write_kernel
 from .utils import check_tensor, next_pow2, same_device
 
@@ -243,7 +244,7 @@ def _check_cache_pair(k_cache, v_cache, kv_cache_dtype: str) -> None:
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor, *, kv_cache_dtype: str = "auto", k_scale: float = 1.0,
-             v_scale: float = 1.0) -> None:
+             v_scale: float = 1.0, backend: str | None = None) -> None:
     """Scatter new K/V rows into a paged cache (one Triton launch, no host synchronisation).
 
     Args:
@@ -255,6 +256,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
             or >= ``num_blocks * block_size`` are skipped (nothing is written for them).
         kv_cache_dtype: ``"auto"`` or ``"fp8_e4m3"``.
         k_scale, v_scale: python floats, the FP8 scales.
+        backend: "triton", or "torch" (the same writes in PyTorch, with a host synchronisation);
+            default: Triton wherever it can run (see :func:`qsa.routes.kernel_backend`).
 
     Example:
         >>> cache = allocate_kv_cache(8, 16, 1, 64, fill="nan")
@@ -277,6 +280,14 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     _check_scale("k_scale", k_scale)
     _check_scale("v_scale", v_scale)
     if num_tokens == 0:
+        return
+    if routes.resolve_backend(backend, k_cache.device) == "torch":
+        slots = slot_mapping.to(torch.int64)
+        ok = (slots >= 0) & (slots < num_blocks * block_size)
+        blk, off = slots[ok] // block_size, slots[ok] % block_size
+        for cache, x, scale in ((k_cache, k, k_scale), (v_cache, v, v_scale)):
+            x = x[ok]
+            cache[blk, off] = quantize_e4m3(x, scale) if kv_cache_dtype == "fp8_e4m3" else x.to(cache.dtype)
         return
 
     grid = (num_tokens, num_kv_heads)

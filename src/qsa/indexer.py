@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from . import routes
 from .indexer_reference import GROUP
 from .kernels.indexer import block_scores_kernel, clear_invalid_pages_kernel, store_compressed_kernel
 from .kernels.topk import topk_kernel
@@ -89,7 +90,7 @@ def _check_seq_lens(seq_lens, token_to_req, num_reqs=None) -> None:
     _check_same_device("token_to_req", token_to_req, seq_lens=seq_lens)
 
 
-def _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens):
+def _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, *, triton: bool = True):
     check_tensor("index_q", index_q, ndim=3, dtypes=_FLOAT_DTYPES, what="[rows, H_idx, D]")
     rows, H, D = index_q.shape
     check_tensor("kc_cache", kc_cache, ndim=3, dtypes=(index_q.dtype,),
@@ -106,7 +107,8 @@ def _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_le
         raise ValueError(f"kc_cache must have block_size // 4 >= 1 rows per block, got {tuple(kc_cache.shape)}")
     _check_same_device("index_q", index_q, kc_cache=kc_cache, block_table=block_table,
                        token_to_req=token_to_req)
-    _check_device(index_q, "index_q")
+    if triton:
+        _check_device(index_q, "index_q")
     return rows, H, D
 
 
@@ -287,7 +289,7 @@ def tokens_from_scores(scores, token_to_req, positions, seq_lens, *, k: int = 51
 
 
 def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, *, k: int = 512,
-                  out=None):
+                  out=None, backend: str | None = None):
     """The whole selection stage in one call: scores, exact top-k, expansion to tokens.
 
     Args:
@@ -298,6 +300,8 @@ def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_l
         seq_lens: ``[num_reqs]`` int32/int64.
         k: blocks per row, ``1 <= k <= 2048`` (512 in QSA).
         out: optional ``[rows, 4k + 3]`` int32 output.
+        backend: "triton", or "torch" (:func:`_select_tokens_torch`: the same contract in PyTorch,
+            with host synchronisation); default: Triton wherever it can run.
 
     Returns:
         ``[rows, 4k + 3]`` int32 tokens, ready for ``sparse_paged_attention``'s ``indices``: for
@@ -313,7 +317,9 @@ def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_l
         ...                                  positions, seq_lens)
     """
     k = _check_k(k)
-    rows, _, _ = _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens)
+    backend = routes.resolve_backend(backend, index_q.device)
+    rows, _, _ = _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens,
+                              triton=backend == "triton")
     width = 4 * k + 3
     if out is None:
         out = torch.empty(rows, width, dtype=torch.int32, device=index_q.device)
@@ -322,6 +328,9 @@ def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_l
         _check_same_device("index_q", index_q, out=out)
         if out.stride(1) != 1:
             raise ValueError("out must have a contiguous last dimension")
+    if backend == "torch":
+        out.copy_(_select_tokens_torch(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, k=k))
+        return out
     n_cols = block_table.shape[1] * kc_cache.shape[1]
     keys = torch.empty(rows, n_cols, dtype=torch.int32, device=index_q.device)
     token_to_req, positions, seq_lens = (t.contiguous() for t in (token_to_req, positions, seq_lens))
@@ -336,8 +345,56 @@ def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_l
 
 
 
+def _select_tokens_torch(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, *,
+                        k: int = 512) -> torch.Tensor:
+    """:func:`select_tokens` in PyTorch (fp32 scores, exact top-k, expansion).
+
+    Candidates of row ``r``: blocks ``b < min((pos + 1) // 4, seq_len // 4)`` whose table entry is
+    valid. Order: score descending, ties by lower block index, -0.0 == +0.0, NaN below every number
+    (a stable sort). Output as :func:`select_tokens`. Synchronises with the host.
+    """
+    rows, H, D = index_q.shape
+    num_reqs, max_blocks = block_table.shape
+    num_blocks, rows_per_page = kc_cache.shape[:2]
+    n = max_blocks * rows_per_page
+    dev = index_q.device
+    req = token_to_req.to(torch.int64)
+    pos = positions.to(torch.int64)
+    row_ok = (req >= 0) & (req < num_reqs) & (pos >= 0)
+    req_c = torch.where(row_ok, req, 0)
+    seq = seq_lens.to(torch.int64)[req_c]
+    vis = torch.where(row_ok, torch.minimum((pos + 1) // GROUP, seq // GROUP), 0).clamp(0, n)
+
+    pages = block_table.to(torch.int64)
+    page_ok = (pages >= 0) & (pages < num_blocks)
+    keys = kc_cache[pages.clamp(0, max(num_blocks - 1, 0))].reshape(num_reqs, n, D).float()
+    cand = (torch.arange(n, device=dev)[None, :] < vis[:, None]) & \
+        page_ok.repeat_interleave(rows_per_page, 1)[req_c]
+    scores = torch.zeros(rows, n, dtype=torch.float32, device=dev)
+    for r in torch.unique(req_c[row_ok]).tolist():
+        sel = (req_c == r) & row_ok
+        dots = torch.matmul(index_q[sel].float(), keys[r].T)  # [rows_r, H, n]
+        scores[sel] = torch.relu(dots).sum(1) * (D ** -0.5)
+    key = torch.where(torch.isnan(scores), -1.0, scores + 0.0)  # real scores are >= 0 or +inf
+    key = torch.where(cand, key, float("-inf"))
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :k]
+    taken = torch.minimum(cand.sum(1), torch.tensor(k, device=dev))
+    o_k = torch.arange(order.shape[1], device=dev)
+    blocks = torch.where(o_k[None, :] < taken[:, None], order, n + 1)
+    blocks = torch.sort(blocks, dim=1).values
+    blocks = torch.nn.functional.pad(blocks, (0, k - blocks.shape[1]), value=n + 1)
+
+    j = torch.arange(4 * k + 3, device=dev)[None, :]
+    toks = (GROUP * blocks[:, :, None] + torch.arange(GROUP, device=dev)).reshape(rows, 4 * k)
+    toks = torch.nn.functional.pad(toks, (0, 3))
+    tail = ((pos + 1) // GROUP * GROUP)[:, None] + (j - GROUP * taken[:, None])
+    out = torch.where(j < GROUP * taken[:, None], toks, torch.where(tail <= pos[:, None], tail, -1))
+    out = torch.where((out >= 0) & (out < seq[:, None]) & row_ok[:, None], out, -1)
+    return out.to(torch.int32)
+
+
 def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table, partial, *,
-                           transform=None) -> None:
+                           transform=None, backend: str | None = None) -> None:
     """Write the compressed key of every 4-token group that completes in this step.
 
     Tokens of one request must be contiguous in the batch with consecutive ascending positions (the
@@ -358,6 +415,8 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
             means before the cast (RMSNorm, RoPE at position ``4 * block_idx``). It sees one row per
             token; only rows of tokens closing a group (``p % 4 == 3``) are stored, so it must be
             row-wise and tolerate arbitrary values in the other rows.
+        backend: "triton" (the store kernel), or "torch" (the same stores in PyTorch, with a host
+            synchronisation); default: Triton wherever it can run.
 
     ``kc[b] = (((k[4b] + k[4b+1]) + k[4b+2]) + k[4b+3]) * 0.25`` in fp32, the same for any chunking.
     Runs on the device with no host synchronisation.
@@ -379,7 +438,9 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
         raise ValueError(f"raw_k width D must be a power of two, got {D}")
     _check_same_device("raw_k", raw_k, token_to_req=token_to_req, positions=positions,
                        kc_cache=kc_cache, block_table=block_table, partial=partial)
-    _check_device(raw_k, "raw_k")
+    backend = routes.resolve_backend(backend, raw_k.device)
+    if backend == "triton":
+        _check_device(raw_k, "raw_k")
     if T == 0:
         return
 
@@ -407,12 +468,35 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
             raise ValueError(f"transform must return a [T, D] = [{T}, {D}] tensor")
         kc_new = kc_new.float()
     kc_new = kc_new.to(kc_cache.dtype).contiguous()      # round here: one rounding rule everywhere
+    if backend == "torch":
+        _store_compressed_torch(kc_new, grp, req, pos, ok, req_c, j, kc_cache, block_table, partial)
+        return
     bt = block_table.contiguous()
     store_compressed_kernel[(T,)](
         kc_new, grp, token_to_req.contiguous(), positions.contiguous(), bt, kc_cache, partial,
         T, num_reqs, kc_cache.shape[0], bt.shape[1], kc_cache.shape[1],
         kc_cache.stride(0), kc_cache.stride(1), bt.stride(0), D=D,
     )
+
+
+def _store_compressed_torch(kc_new, grp, req, pos, ok, req_c, j, kc_cache, block_table, partial) -> None:
+    """What ``store_compressed_kernel`` does, in PyTorch: the closing tokens' compressed keys into the
+    cache, the open group of each request's last token into ``partial``."""
+    T = kc_new.shape[0]
+    num_blocks, rows_per_page = kc_cache.shape[:2]
+    max_blocks = block_table.shape[1]
+    b = torch.where(ok, pos, 0) // GROUP
+    i_page = b // rows_per_page
+    page = block_table.to(torch.int64)[req_c, i_page.clamp(max=max_blocks - 1)]
+    close = ok & (j == GROUP - 1) & (i_page < max_blocks) & (page >= 0) & (page < num_blocks)
+    kc_cache[page[close], (b % rows_per_page)[close]] = kc_new[close]
+    t_idx = torch.arange(T, device=kc_new.device)
+    nxt = (t_idx + 1).clamp(max=T - 1)
+    last = (t_idx + 1 >= T) | (req[nxt] != req) | (pos[nxt] != pos + 1)
+    keep_open = ok & (j != GROUP - 1) & last
+    for m in range(GROUP - 1):
+        sel = keep_open & (j >= m)
+        partial[req_c[sel], m] = grp[sel, m]
 
 
 class CompressedKeyCache:

@@ -157,7 +157,7 @@ class StepMetadata:
         route: attention route for this step ("auto", "grouped", "xqa", "splitk", "reference").
         plan_order: "logical" (the contract) or "physical" (the demonstration of why it matters).
         backend: "triton" or "torch" for the selection and cache writes (:meth:`build` picks Triton
-            wherever the route runs Triton kernels, see :func:`qsa.ops.kernel_backend`).
+            wherever the route runs Triton kernels, see :func:`qsa.routes.kernel_backend`).
         plan: the attention plan buffers, created by the first layer and refilled by the others.
         workspace: the grouped planner's scratch, reused by every layer (CUDA-graph safe).
         attn_out: ``[T, Hq, D]`` attention output buffer shared by the layers.
@@ -183,7 +183,7 @@ class StepMetadata:
               device, route: str = "auto", plan_order: str = "logical",
               backend: str | None = None) -> "StepMetadata":
         """From host lists or tensors; one copy to ``device`` per field. ``backend=None`` resolves to
-        :func:`qsa.ops.kernel_backend` of the route and device."""
+        :func:`qsa.routes.kernel_backend` of the route and device."""
         def as_tensor(x, dtype):
             t = x if isinstance(x, torch.Tensor) else torch.tensor(x, dtype=dtype)
             return t.to(device=device, dtype=dtype, copy=True)
@@ -193,9 +193,9 @@ class StepMetadata:
         if plan_order not in ("logical", "physical"):
             raise ValueError(f"plan_order must be 'logical' or 'physical', got {plan_order!r}")
         if backend is None:
-            backend = ops.kernel_backend(route, device)
-        elif backend not in ops.BACKENDS:
-            raise ValueError(f"backend must be one of {ops.BACKENDS} or None, got {backend!r}")
+            backend = routes.kernel_backend(route, device)
+        elif backend not in routes.BACKENDS:
+            raise ValueError(f"backend must be one of {routes.BACKENDS} or None, got {backend!r}")
         return cls(as_tensor(token_to_req, torch.int32), as_tensor(positions, torch.int64),
                    as_tensor(seq_lens, torch.int32), as_tensor(block_table, torch.int32),
                    as_tensor(slot_mapping, torch.int64), int(block_size), route, plan_order, backend)

@@ -108,6 +108,30 @@ def triton_available(device: torch.device) -> str | None:
     return f"no Triton backend for device {device.type} (set TRITON_INTERPRET=1 to interpret)"
 
 
+BACKENDS = ("triton", "torch")
+"""How the selection stage and cache writes run: Triton kernels, or their PyTorch implementations."""
+
+
+def kernel_backend(route: str, device) -> str:
+    """``"torch"`` for the reference route or where Triton cannot run on ``device``, else ``"triton"``."""
+    if route == "reference" or triton_available(torch.device(device)) is not None:
+        return "torch"
+    return "triton"
+
+
+def resolve_backend(backend: str | None, device) -> str:
+    """``backend``, or the one :func:`kernel_backend` picks for ``device`` when it is None."""
+    if backend is None:
+        return kernel_backend("auto", device)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS} or None, got {backend!r}")
+    if backend == "triton":
+        why = triton_available(torch.device(device))
+        if why is not None:
+            raise ValueError(f"backend='triton' cannot run: {why}")
+    return backend
+
+
 def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device) -> RoutePlan:
     """Admission: map a requested route to the rows each kernel takes.
 

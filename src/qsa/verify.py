@@ -163,11 +163,11 @@ class Verifier:
 
     def __init__(self, step: StepInputs, *, route: str = "auto", seed: int = 0, plan_order: str = "logical",
                  sample: int | None = None, log=print):
-        from . import ops, routes
+        from . import routes
 
         self.step, self.route, self.order, self.log = step, route, plan_order, log
         self.device = step.q.device
-        self.backend = ops.kernel_backend(route, self.device)
+        self.backend = routes.kernel_backend(route, self.device)
         hq, hkv = step.q.shape[1], step.kv.shape[3]
         self.choice = routes.choose(route, rows=step.rows, G=hq // hkv, head_dim=step.q.shape[2], device=self.device)
         self.gen = torch.Generator().manual_seed(seed)
