@@ -84,84 +84,89 @@ def main(argv=None) -> int:
     for scn in workloads(args.smoke):
         if args.only and not any(s in scn.name for s in args.only):
             continue
-        t0 = time.time()
-        w = attention_workload(scn, dev)
-        print(f"# {scn.name}: built in {time.time() - t0:.1f}s, overlap {w.stats['overlap']}, "
-              f"union/group {w.stats['avg_union_per_group']:.0f}", flush=True)
-        q, c = w.q, w.cache
-        args_ = (q, *w.args)
-        with full_fp32_matmul():
-            ref = chunked_attention(*args_, compute_dtype=torch.float32, **w.cache_kwargs).double()
-        low = chunked_attention(*args_, compute_dtype=q.dtype, **w.cache_kwargs)
-        check = lambda out: assert_close_like_torch(out, ref, low)  # noqa: E731
-        inputs = dict(indices=w.indices, block_table=w.block_table, token_to_req=w.token_to_req,
-                      positions=w.positions, seq_lens=w.seq_lens, block_size=c.block_size,
-                      num_blocks=c.num_blocks)
-        single = plan_single_rows(**inputs)
-        rows = q.shape[0]
-        G = scn.num_q_heads // scn.num_kv_heads
-        out = torch.empty_like(q)
-        kw = dict(out=out, lse=None, gate=None, softmax_scale=scn.head_dim ** -0.5, k_scale=c.k_scale,
-                  v_scale=c.v_scale, kv_fp8=c.kv_cache_dtype == "fp8_e4m3")
-        record(scn.name, "plan-single", "-", lambda: plan_single_rows(**inputs, out=single))
-        if rows >= 8 and scn.num_reqs == 1:
-            ws = PlanWorkspace.allocate(index_width=w.indices.shape[1], group_rows=8,
-                                        programs=planner_programs(rows // 8, dev), device=dev)
-            grouped = plan_groups(single, workspace=ws)
-            record(scn.name, "plan-grouped", "-", lambda: plan_groups(single, out=grouped, workspace=ws))
-            for rp, tile_rows, mb, nw, ns, pps in grouped_settings:
-                while rp > 1 and rp * G > tile_rows:
-                    rp //= 2
-                bm = max(16, 1 << (rp * G - 1).bit_length())
-                cfg = routes.GroupedConfig(rows_per_prog=rp, block_m=bm, mb=mb, num_warps=nw, num_stages=ns,
-                                           programs_per_sm=pps)
-
-                def run_grouped(cfg=cfg):
-                    attention.grouped_attention(q, c.k, c.v, grouped, config=cfg, **kw)
-                    return out
-                record(scn.name, "grouped-attn", (rp, bm, mb, nw, ns, pps), run_grouped, check)
-            shape = dict(num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim)
-            full = plan_attention(**inputs, **shape, route="grouped", workspace=ws)
-
-            def total():  # plan + attention through the public plan/run split, buffers reused
-                p = plan_attention(**inputs, **shape, route="grouped", out=full, workspace=ws)
-                return run_attention(p, q, c.k, c.v, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
-                                     v_scale=c.v_scale, out=out)
-            record(scn.name, "grouped-total", "default", total, check)
-        for setting in split_settings:
-            cfg = routes.SplitConfig(*setting)
-
-            def run_xqa(cfg=cfg):
-                attention.xqa_attention(q, c.k, c.v, single, row_start=0, config=cfg, **kw)
-                return out
-            record(scn.name, "xqa-attn", setting, run_xqa, check)
-        shape = dict(num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim)
-        xqa_plan = plan_attention(**inputs, **shape, route="xqa")
-
-        def xqa_total():
-            p = plan_attention(**inputs, **shape, route="xqa", out=xqa_plan)
-            return run_attention(p, q, c.k, c.v, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
-                                 v_scale=c.v_scale, out=out)
-        record(scn.name, "xqa-total", "default", xqa_total, check)
-        tokens_plan = plan_attention(**{k: v for k, v in inputs.items()}, num_q_heads=scn.num_q_heads,
-                                     num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route="splitk")
-        for setting in split_settings[:3]:
-            cfg = routes.SplitConfig(*setting)
-
-            def run_splitk(cfg=cfg):
-                attention.splitk_attention(q, c.k, c.v, tokens_plan.tokens, tokens_plan.token_counts,
-                                           w.block_table, w.token_to_req, block_size=c.block_size,
-                                           config=cfg, **kw)
-                return out
-            record(scn.name, "splitk-attn", setting, run_splitk, check)
-        del w, ref, low, single
-        torch.cuda.empty_cache()
+        sweep(scn, dev, record, grouped_settings, split_settings)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
 
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "tune.json"), "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", date=time.strftime("%Y-%m-%d"), records=records),
                   f, indent=1)
     return 0
+
+
+def sweep(scn: Scenario, dev, record, grouped_settings, split_settings) -> None:
+    """Every setting of one workload: planners, grouped, xqa and splitk, each checked then timed."""
+    t0 = time.time()
+    w = attention_workload(scn, dev)
+    print(f"# {scn.name}: built in {time.time() - t0:.1f}s, overlap {w.stats['overlap']}, "
+          f"union/group {w.stats['avg_union_per_group']:.0f}", flush=True)
+    q, c = w.q, w.cache
+    args_ = (q, *w.args)
+    with full_fp32_matmul():
+        ref = chunked_attention(*args_, compute_dtype=torch.float32, **w.cache_kwargs).double()
+    low = chunked_attention(*args_, compute_dtype=q.dtype, **w.cache_kwargs)
+    check = lambda out: assert_close_like_torch(out, ref, low)  # noqa: E731
+    inputs = dict(indices=w.indices, block_table=w.block_table, token_to_req=w.token_to_req,
+                  positions=w.positions, seq_lens=w.seq_lens, block_size=c.block_size,
+                  num_blocks=c.num_blocks)
+    single = plan_single_rows(**inputs)
+    rows = q.shape[0]
+    G = scn.num_q_heads // scn.num_kv_heads
+    out = torch.empty_like(q)
+    kw = dict(out=out, lse=None, gate=None, softmax_scale=scn.head_dim ** -0.5, k_scale=c.k_scale,
+              v_scale=c.v_scale, kv_fp8=c.kv_cache_dtype == "fp8_e4m3")
+    record(scn.name, "plan-single", "-", lambda: plan_single_rows(**inputs, out=single))
+    if rows >= 8 and scn.num_reqs == 1:
+        ws = PlanWorkspace.allocate(index_width=w.indices.shape[1], group_rows=8,
+                                    programs=planner_programs(rows // 8, dev), device=dev)
+        grouped = plan_groups(single, workspace=ws)
+        record(scn.name, "plan-grouped", "-", lambda: plan_groups(single, out=grouped, workspace=ws))
+        for rp, tile_rows, mb, nw, ns, pps in grouped_settings:
+            while rp > 1 and rp * G > tile_rows:
+                rp //= 2
+            bm = max(16, 1 << (rp * G - 1).bit_length())
+            cfg = routes.GroupedConfig(rows_per_prog=rp, block_m=bm, mb=mb, num_warps=nw, num_stages=ns,
+                                       programs_per_sm=pps)
+
+            def run_grouped(cfg=cfg):
+                attention.grouped_attention(q, c.k, c.v, grouped, config=cfg, **kw)
+                return out
+            record(scn.name, "grouped-attn", (rp, bm, mb, nw, ns, pps), run_grouped, check)
+        shape = dict(num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim)
+        full = plan_attention(**inputs, **shape, route="grouped", workspace=ws)
+
+        def total():  # plan + attention through the public plan/run split, buffers reused
+            p = plan_attention(**inputs, **shape, route="grouped", out=full, workspace=ws)
+            return run_attention(p, q, c.k, c.v, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
+                                 v_scale=c.v_scale, out=out)
+        record(scn.name, "grouped-total", "default", total, check)
+    for setting in split_settings:
+        cfg = routes.SplitConfig(*setting)
+
+        def run_xqa(cfg=cfg):
+            attention.xqa_attention(q, c.k, c.v, single, row_start=0, config=cfg, **kw)
+            return out
+        record(scn.name, "xqa-attn", setting, run_xqa, check)
+    shape = dict(num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim)
+    xqa_plan = plan_attention(**inputs, **shape, route="xqa")
+
+    def xqa_total():
+        p = plan_attention(**inputs, **shape, route="xqa", out=xqa_plan)
+        return run_attention(p, q, c.k, c.v, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
+                             v_scale=c.v_scale, out=out)
+    record(scn.name, "xqa-total", "default", xqa_total, check)
+    tokens_plan = plan_attention(**{k: v for k, v in inputs.items()}, num_q_heads=scn.num_q_heads,
+                                 num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route="splitk")
+    for setting in split_settings[:3]:
+        cfg = routes.SplitConfig(*setting)
+
+        def run_splitk(cfg=cfg):
+            attention.splitk_attention(q, c.k, c.v, tokens_plan.tokens, tokens_plan.token_counts,
+                                       w.block_table, w.token_to_req, block_size=c.block_size,
+                                       config=cfg, **kw)
+            return out
+        record(scn.name, "splitk-attn", setting, run_splitk, check)
 
 
 if __name__ == "__main__":

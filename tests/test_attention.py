@@ -35,6 +35,7 @@ def test_routes_match_reference(route, dtype, kv_cache_dtype):
     dict(num_q_heads=12, num_kv_heads=1, head_dim=64, block_size=4, layout="separate"),
     dict(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=32, layout="interleaved"),
     dict(num_q_heads=2, num_kv_heads=2, head_dim=16, block_size=784, layout="interleaved"),
+    dict(num_q_heads=6, num_kv_heads=1, head_dim=128, block_size=64, layout="interleaved"),
 ])
 def test_shapes_layouts_and_block_sizes(route, shape):
     case = make_attention_case(rows=11, num_reqs=2, width=20, max_seq_len=120, seed=2, **shape)
