@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from . import attention, routes
-from .plan import (GroupedPlan, PlanWorkspace, SingleRowPlan, physical_order, plan_groups,
+from .plan import (GroupedPlan, PlanWorkspace, SingleRowPlan, check_plan_inputs, physical_order, plan_groups,
                    plan_single_rows, planner_programs, token_lists)
 from .utils import check_tensor, same_device
 
@@ -73,13 +73,10 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
         raise ValueError(f"order must be 'logical' or 'physical', got {order!r}")
     if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-    rows = indices.shape[0] if isinstance(indices, torch.Tensor) else 0
-    choice = routes.choose(route, rows=rows, G=num_q_heads // num_kv_heads, head_dim=head_dim,
-                           device=indices.device if isinstance(indices, torch.Tensor) else torch.device("cpu"))
-    from .plan import check_plan_inputs
-
     check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                       num_blocks=num_blocks)
+    choice = routes.choose(route, rows=indices.shape[0], G=num_q_heads // num_kv_heads, head_dim=head_dim,
+                           device=indices.device)
     single = grouped = tokens = counts = None
     if choice.route in ("grouped", "xqa"):
         single = plan_single_rows(indices, block_table, token_to_req, positions, seq_lens,

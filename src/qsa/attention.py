@@ -10,19 +10,13 @@ from . import routes
 from .plan import GroupedPlan, SingleRowPlan
 from .utils import dot_in_fp32, next_pow2
 
-_TL_DTYPES = {}
-
-
-def _tl_dtype(dtype: torch.dtype):
+def _dot_dtype(q: torch.Tensor):
+    """Operand dtype of the kernels' dots: q's, or fp32 where the interpreter mishandles bf16."""
     import triton.language as tl
 
-    if not _TL_DTYPES:
-        _TL_DTYPES.update({torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32})
-    return _TL_DTYPES[dtype]
-
-
-def _dot_dtype(q: torch.Tensor):
-    return _tl_dtype(torch.float32 if dot_in_fp32(q.dtype) else q.dtype)
+    if dot_in_fp32(q.dtype):
+        return tl.float32
+    return {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[q.dtype]
 
 
 def _common(q, k, v, out, gate, lse):

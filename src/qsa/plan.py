@@ -252,7 +252,7 @@ def plan_groups(single: SingleRowPlan, *, group_rows: int = 8, num_rows: int | N
     device = single.mb_ids.device
     cap_s = single.capacity
     num_groups = -(-num_rows // group_rows)
-    cap_g = max(round_up(group_rows * cap_s, PAD), PAD)
+    cap_g = grouped_capacity(cap_s, group_rows)
     if out is None:
         out = GroupedPlan(
             mb_ids=torch.empty((num_groups, cap_g), dtype=torch.int32, device=device),
