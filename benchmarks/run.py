@@ -347,14 +347,9 @@ class Suite:
         allocates its own scratch on every call, which graph capture also accepts)."""
         if plan.grouped is None:
             return None
-        from qsa.plan import PlanWorkspace, planner_programs
+        from qsa.plan import PlanWorkspace
 
-        try:
-            return PlanWorkspace.allocate(index_width=plan.single.capacity, group_rows=plan.grouped.group_rows,
-                                          programs=planner_programs(plan.grouped.num_groups, self.device),
-                                          device=self.device)
-        except (TypeError, AttributeError, ValueError):  # planner API moved on: let it allocate
-            return None
+        return PlanWorkspace.for_plan(plan.inputs[1], block_size=plan.block_size, num_groups=plan.grouped.num_groups)
 
     def _naive_route(self, route, scn, w, state):
         from .baselines import naive_attention
@@ -367,8 +362,9 @@ class Suite:
         return fn, out, True
 
     def _planner(self, scn, w, state, flops):
-        """The grouped planner alone (single-row plans + grouped unions), into the grouped route's
-        buffers. Reported only when the grouped route passed its check (or was not run)."""
+        """The grouped planner alone (grouped unions, plus single-row plans of rows left over), into
+        the grouped route's buffers. Reported only when the grouped route passed its check (or was not
+        run)."""
         from qsa.plan import plan_groups, plan_single_rows
 
         grouped = _record(self.records, scn.name, "grouped")
@@ -387,11 +383,14 @@ class Suite:
             ws = self._workspace(plan)
         cache = w.cache
 
+        inputs = (w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens)
+        geometry = dict(block_size=cache.block_size, num_blocks=cache.num_blocks)
+
         def fn():
-            single = plan_single_rows(w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens,
-                                      block_size=cache.block_size, num_blocks=cache.num_blocks, out=plan.single)
-            plan_groups(single, group_rows=plan.grouped.group_rows, num_rows=plan.grouped.num_rows,
+            plan_groups(*inputs, **geometry, group_rows=plan.grouped.group_rows, num_rows=plan.grouped.num_rows,
                         out=plan.grouped, workspace=ws)
+            if plan.grouped.num_rows < w.indices.shape[0]:
+                plan_single_rows(*inputs, **geometry, out=plan.single, row_start=plan.grouped.num_rows)
 
         fn()
         self._sync()

@@ -18,8 +18,8 @@ import time
 import torch
 
 from qsa import attention, plan_attention, routes, run_attention
-from qsa.plan import PlanWorkspace, plan_groups, plan_single_rows, planner_programs
-from qsa.reference import assert_close_like_torch
+from qsa.plan import PlannerConfig, PlanWorkspace, plan_groups, plan_single_rows
+from qsa.reference import assert_close_like_torch, compare_plans
 
 from .baselines import chunked_attention, full_fp32_matmul
 from .generators import attention_workload
@@ -29,6 +29,9 @@ from .timing import Timer, TimingConfig
 GROUPED = [  # rows_per_prog (at most), max tile rows, mb, num_warps, num_stages, programs_per_sm
     (8, 64, 8, 4, 3, 2), (8, 64, 8, 4, 2, 2), (8, 64, 16, 4, 2, 2), (8, 64, 16, 4, 3, 2), (8, 64, 4, 4, 4, 2),
     (8, 64, 8, 4, 3, 1), (8, 64, 8, 4, 3, 4), (8, 128, 8, 8, 3, 2), (4, 32, 8, 4, 3, 2),
+]
+PLANNER = [  # grouped planner: quads per row step, scan step, num_warps, programs_per_sm
+    (64, 2048, 8, 4), (32, 1024, 4, 4), (64, 1024, 4, 8), (128, 2048, 8, 2), (64, 4096, 8, 4), (32, 2048, 4, 8),
 ]
 SPLIT = [  # tile_tokens, num_warps, num_stages, programs_per_sm
     (64, 4, 2, 3), (64, 4, 2, 1), (64, 4, 2, 6), (64, 4, 3, 3), (32, 4, 3, 3), (128, 8, 2, 3), (64, 8, 2, 3),
@@ -118,10 +121,23 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings) -> None:
               v_scale=c.v_scale, kv_fp8=c.kv_cache_dtype == "fp8_e4m3")
     record(scn.name, "plan-single", "-", lambda: plan_single_rows(**inputs, out=single))
     if rows >= 8 and scn.num_reqs == 1:
-        ws = PlanWorkspace.allocate(index_width=w.indices.shape[1], group_rows=8,
-                                    programs=planner_programs(rows // 8, dev), device=dev)
-        grouped = plan_groups(single, workspace=ws)
-        record(scn.name, "plan-grouped", "-", lambda: plan_groups(single, out=grouped, workspace=ws))
+        ws = PlanWorkspace.for_plan(w.block_table, block_size=c.block_size, num_groups=rows // 8)
+        grouped = plan_groups(**inputs, workspace=ws)
+        record(scn.name, "plan-grouped", "-", lambda: plan_groups(**inputs, out=grouped, workspace=ws))
+        for setting in PLANNER:
+            cfg_p = PlannerConfig(*setting)
+            ws_p = PlanWorkspace.for_plan(w.block_table, block_size=c.block_size, num_groups=rows // 8,
+                                          config=cfg_p)
+            ref_plan = grouped
+
+            def run_planner(cfg_p=cfg_p, ws_p=ws_p):
+                return plan_groups(**inputs, workspace=ws_p, config=cfg_p)
+
+            def check_plan(p, ref_plan=ref_plan):
+                diff = compare_plans(p, ref_plan)
+                if diff:
+                    raise AssertionError(diff[0])
+            record(scn.name, "plan-grouped", setting, run_planner, check_plan)
         for rp, tile_rows, mb, nw, ns, pps in grouped_settings:
             while rp > 1 and rp * G > tile_rows:
                 rp //= 2

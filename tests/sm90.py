@@ -17,6 +17,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 from qsa import routes
+from qsa.plan import PLANNER
 from qsa.kernels.common import merge_splits_kernel
 from qsa.kernels.grouped import grouped_attention_kernel
 from qsa.kernels.plan import grouped_plan_kernel, single_row_plan_kernel, single_row_sort_plan_kernel
@@ -123,11 +124,12 @@ def check_merge_and_planner_kernels():
                      num_warps=warps)
     compile_sm90(single_row_sort_plan_kernel, rows,
                  dict(BLOCK_SIZE=16, BLOCK_W=4096, CH=512, PAD=16, EMIT_TOKENS=True), num_warps=16)
-    groups = {"s_ids_ptr": "*i32", "s_masks_ptr": "*u8", "s_counts_ptr": "*i32", "g_ids_ptr": "*i32",
-              "g_masks_ptr": "*i32", "g_counts_ptr": "*i32", "tab_id_ptr": "*i32", "tab_key_ptr": "*i32",
-              "tab_mask_ptr": "*i32", "slot_ptr": "*i32"}
-    compile_sm90(grouped_plan_kernel, groups, dict(GROUP_ROWS=8, BLOCK_Q=8, CHUNK=1024, TABLE=32768, PAD=16),
-                 num_warps=4)
+    groups = {"idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32",
+              "g_ids_ptr": "*i32", "g_masks_ptr": "*i32", "g_counts_ptr": "*i32", "bits_ptr": "*i32",
+              "bits64_ptr": "*i64"}
+    cfg = PLANNER
+    compile_sm90(grouped_plan_kernel, groups, dict(GROUP_ROWS=8, BLOCK_Q=8, BLOCK_SIZE=16, QUADS=cfg.quads,
+                                                   SCAN=cfg.scan, PAD=16), num_warps=cfg.num_warps)
 
 
 def main() -> int:

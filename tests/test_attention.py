@@ -221,3 +221,16 @@ def test_checker_rejects_known_wrong_outputs():
     for name, (out, out_lse) in wrong.items():
         with pytest.raises(AssertionError):
             assert_close_like_torch(out, ref, low, lse=out_lse, ref_lse=ref_lse, torch_lse=low_lse, name=name)
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_self_aliasing_request_counts_both_copies(route):
+    """A table mapping two logical blocks of one request to one page: the row's token set holds both
+    copies (SPEC section 4), and every route, grouped included, attends both."""
+    case = make_attention_case(rows=16, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=8,
+                               width=24, max_seq_len=40, messy=False, share_prefix=False, seed=21)
+    case.block_table[0, 1] = case.block_table[0, 0]
+    rows0 = (case.token_to_req == 0).nonzero().flatten()
+    both = [(case.indices[r] // 8 == 0).any() & (case.indices[r] // 8 == 1).any() for r in rows0.tolist()]
+    assert any(both), "some row of request 0 must select tokens of both aliased blocks"
+    check_route(case, route)

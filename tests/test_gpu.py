@@ -128,7 +128,7 @@ def test_cuda_graph_replay_matches_eager():
     plan_args = lambda: (static["indices"], static["block_table"], static["token_to_req"],  # noqa: E731
                          static["positions"], static["seq_lens"])
     shape = dict(block_size=bs, num_blocks=nb, num_q_heads=6, num_kv_heads=1, head_dim=256)
-    ws = PlanWorkspace.allocate(index_width=static["indices"].shape[1], group_rows=8, programs=64, device="cuda")
+    ws = PlanWorkspace.for_plan(static["block_table"], block_size=bs, num_groups=-(-static["indices"].shape[0] // 8))
     out = torch.empty_like(static["q"])
 
     def step(plan):

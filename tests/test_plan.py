@@ -14,7 +14,7 @@ from qsa.reference import (compare_plans, make_attention_case, reference_grouped
 def plans(case, *, group_rows=8, num_rows=None):
     inputs = case.plan_inputs()
     single = plan_single_rows(**inputs)
-    grouped = plan_groups(single, group_rows=group_rows, num_rows=num_rows)
+    grouped = plan_groups(**inputs, group_rows=group_rows, num_rows=num_rows)
     return single, grouped
 
 
@@ -45,25 +45,46 @@ def test_group_sizes_and_partial_groups(group_rows, num_rows):
     assert compare_plans(grouped, ref_grouped) == []
 
 
-def test_aliased_pages_merge_and_masks_or():
-    # Rows of two requests that share their first physical block select the same tokens of it.
+def test_rows_of_one_request_merge_and_requests_keep_their_entries():
+    # Rows of two requests whose tables share their first physical block select tokens of it.
     table = torch.tensor([[5, 2, 9], [5, 7, 3]], dtype=torch.int32)
     indices = torch.tensor([[0, 1, 17, -1], [2, 1, 33, 34], [0, 3, -1, -1]], dtype=torch.int32)
-    token_to_req = torch.tensor([0, 1, 1], dtype=torch.int32)
+    token_to_req = torch.tensor([0, 1, 0], dtype=torch.int32)
     positions = torch.tensor([40, 40, 40])
     seq_lens = torch.tensor([48, 48], dtype=torch.int32)
     kw = dict(block_size=16, num_blocks=10)
-    single = plan_single_rows(indices, table, token_to_req, positions, seq_lens, **kw)
-    grouped = plan_groups(single, group_rows=4)
-    # Microblock 5 * 4 + 0 = 20 holds tokens 0..3 of both requests: one entry, rows' nibbles OR-ed.
-    # Token 17 is microblock 2 * 4 + 0 of request 0; tokens 33, 34 microblock 3 * 4 + 0 of request 1.
-    assert grouped.counts.tolist() == [3]
-    assert grouped.mb_ids[0, :3].tolist() == [20, 8, 12]
-    assert grouped.masks[0, :3].tolist() == [0b1001_0110_0011, 0b0010, 0b0110 << 4]
-    assert grouped.mb_ids[0, 3:PAD].tolist() == [20] * (PAD - 3)
-    assert grouped.masks[0, 3:PAD].tolist() == [0] * (PAD - 3)
+    grouped = plan_groups(indices, table, token_to_req, positions, seq_lens, group_rows=4, **kw)
+    # Request 0 first (its first row is row 0): logical microblock 0 (id 5 * 4 + 0 = 20) with rows 0
+    # and 2 OR-ed, then microblock 4 (token 17: id 2 * 4 + 0 = 8). Then request 1: its microblock 0 is
+    # the same physical microblock 20 but another request's, so it keeps its own entry; token 33, 34:
+    # id 3 * 4 + 0 = 12.
+    assert grouped.counts.tolist() == [4]
+    assert grouped.mb_ids[0, :4].tolist() == [20, 8, 20, 12]
+    assert grouped.masks[0, :4].tolist() == [0b1001_0000_0011, 0b0010, 0b0110 << 4, 0b0110 << 4]
+    assert grouped.mb_ids[0, 4:PAD].tolist() == [20] * (PAD - 4)
+    assert grouped.masks[0, 4:PAD].tolist() == [0] * (PAD - 4)
     ref = reference_grouped_plan(indices, table, token_to_req, positions, seq_lens, group_rows=4, **kw)
     assert compare_plans(grouped, ref) == []
+
+
+def test_self_aliasing_keeps_both_copies():
+    """Two logical blocks of one request on one physical block: both are tokens of the row's set
+    (SPEC section 4), so the group keeps two entries, like the single-row plan."""
+    args = (torch.tensor([[0, 1, 6], [6, -1, -1]], dtype=torch.int32), torch.tensor([[3, 3]], dtype=torch.int32),
+            torch.zeros(2, dtype=torch.int32), torch.tensor([7, 7]), torch.tensor([8], dtype=torch.int32))
+    grouped = plan_groups(*args, block_size=4, num_blocks=4, group_rows=2)
+    assert grouped.counts.tolist() == [2]
+    assert grouped.mb_ids[0, :2].tolist() == [3, 3]
+    assert grouped.masks[0, :2].tolist() == [0b0011, 0b0100_0100]
+    assert compare_plans(grouped, reference_grouped_plan(*args, block_size=4, num_blocks=4, group_rows=2)) == []
+
+
+def test_row_start_plans_only_the_rows_after_it():
+    case = make_attention_case(rows=13, num_reqs=3, block_size=16, width=18, seed=13)
+    ref = reference_single_row_plan(**case.plan_inputs())
+    single = plan_single_rows(**case.plan_inputs(), row_start=8)
+    tail = lambda p: type(p)(p.mb_ids[8:], p.masks[8:], p.counts[8:], p.block_size, p.num_blocks)  # noqa: E731
+    assert compare_plans(tail(single), tail(ref)) == []
 
 
 def test_invalid_rows_and_empty_groups():
@@ -98,7 +119,7 @@ def test_widest_group():
     args = (indices, table, torch.zeros(8, dtype=torch.int32), positions,
             torch.tensor([seq], dtype=torch.int32))
     single = plan_single_rows(*args, block_size=block_size, num_blocks=nb)
-    grouped = plan_groups(single)
+    grouped = plan_groups(*args, block_size=block_size, num_blocks=nb)
     ref_single = reference_single_row_plan(*args, block_size=block_size, num_blocks=nb)
     ref_grouped = reference_grouped_plan(*args, block_size=block_size, num_blocks=nb)
     assert compare_plans(single, ref_single) == []
@@ -114,7 +135,7 @@ def test_every_index_its_own_microblock():
     args = (indices, table, torch.zeros(9, dtype=torch.int32), torch.full((9,), 1000),
             torch.tensor([192], dtype=torch.int32))
     single = plan_single_rows(*args, block_size=16, num_blocks=12)
-    grouped = plan_groups(single)
+    grouped = plan_groups(*args, block_size=16, num_blocks=12)
     assert single.counts.tolist() == [40] * 9
     assert grouped.counts.tolist() == [40, 40]
     assert compare_plans(grouped, reference_grouped_plan(*args, block_size=16, num_blocks=12)) == []
@@ -147,12 +168,25 @@ def test_permuted_entries_give_the_same_plan():
 
 def test_workspace_is_reusable():
     case = make_attention_case(rows=16, num_reqs=3, block_size=16, width=20, seed=8)
-    single = plan_single_rows(**case.plan_inputs())
-    ws = PlanWorkspace.allocate(index_width=20, group_rows=8, programs=1, device="cpu")
-    first = plan_groups(single, workspace=ws)
-    assert torch.equal(ws.table_ids, torch.full_like(ws.table_ids, -1)), "tables must be left empty"
-    second = plan_groups(single, workspace=ws)
+    ws = PlanWorkspace.for_plan(case.block_table, block_size=16, num_groups=2)
+    first = plan_groups(**case.plan_inputs(), workspace=ws)
+    assert first.counts.min() > 0 and int(ws.bits.count_nonzero()) == 0, "scratch must be left zero"
+    second = plan_groups(**case.plan_inputs(), workspace=ws)
     assert compare_plans(first, second) == []
+    small = PlanWorkspace.allocate(microblocks=ws.microblocks - 1, programs=1, device="cpu")
+    with pytest.raises(ValueError, match="workspace"):
+        plan_groups(**case.plan_inputs(), workspace=small)
+
+
+@pytest.mark.parametrize("quads,scan", [(1, 16), (2, 32), (64, 2048)])
+def test_planner_settings_give_one_plan(quads, scan):
+    """Steps of any size (one quad, a scan shorter than the table) give the same plan."""
+    from qsa.plan import PlannerConfig
+
+    case = make_attention_case(rows=19, num_reqs=3, block_size=16, width=22, seed=12)
+    ref = reference_grouped_plan(**case.plan_inputs())
+    cfg = PlannerConfig(quads=quads, scan=scan, num_warps=4, programs_per_sm=1)
+    assert compare_plans(plan_groups(**case.plan_inputs(), config=cfg), ref) == []
 
 
 # Known-wrong planners: the checks above must reject each of them.
@@ -216,14 +250,18 @@ def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="int32"):
         plan_single_rows(**{**kw, "num_blocks": 2**31})
     with pytest.raises(ValueError, match="group_rows"):
-        plan_groups(plan_single_rows(**kw), group_rows=9)
+        plan_groups(**kw, group_rows=9)
+    with pytest.raises(ValueError, match="num_rows"):
+        plan_groups(**kw, num_rows=5)
+    with pytest.raises(ValueError, match="row_start"):
+        plan_single_rows(**kw, row_start=5)
 
 
 def test_zero_rows():
     kw = make_attention_case(rows=4, num_reqs=2, width=8, seed=11).plan_inputs()
     kw.update(indices=kw["indices"][:0], token_to_req=kw["token_to_req"][:0], positions=kw["positions"][:0])
     single = plan_single_rows(**kw)
-    grouped = plan_groups(single)
+    grouped = plan_groups(**kw)
     assert single.num_rows == 0 and grouped.num_groups == 0
 
 
@@ -243,6 +281,8 @@ def test_runs_across_chunk_boundaries(shuffle):
     single = plan_single_rows(*args, block_size=16, num_blocks=40)
     ref = reference_single_row_plan(*args, block_size=16, num_blocks=40)
     assert compare_plans(single, ref) == []
+    grouped = plan_groups(*args, block_size=16, num_blocks=40, config=qsa.plan.PlannerConfig(quads=64, scan=32))
+    assert compare_plans(grouped, reference_grouped_plan(*args, block_size=16, num_blocks=40)) == []
     tokens, counts = qsa.plan.token_lists(*args, block_size=16, num_blocks=40)
     for r in range(3):
         kept = sorted({t for t in indices[r].tolist() if 0 <= t <= int(args[3][r]) and t < 460})

@@ -56,11 +56,11 @@ HAND_SINGLE = [
     [(10, 0xB), (4, 0x3)],
     [(10, 0x1), (11, 0x2)],
 ]
-HAND_GROUPED = {  # group_rows -> per group [(id, mask)] in key order
-    8: [[(10, _i32(0xB000014F)), (4, 0x3000000F), (14, 0xA), (11, 0x70), (18, 0x40), (6, 0x300000),
-         (7, 0x900000)],
+HAND_GROUPED = {  # group_rows -> per group [(id, mask)]: requests by first row, logical order in each
+    8: [[(10, _i32(0xB000000F)), (4, 0x3000000F), (14, 0xA), (10, 0x140), (11, 0x70), (18, 0x40),
+         (6, 0x300000), (7, 0x900000)],
         [(10, 0x1), (11, 0x2)]],
-    4: [[(10, 0x14F), (4, 0xF), (14, 0xA), (11, 0x70), (18, 0x40)],
+    4: [[(10, 0xF), (4, 0xF), (14, 0xA), (10, 0x140), (11, 0x70), (18, 0x40)],
         [(6, 0x30), (7, 0x90), (10, _i32(0xB000)), (4, 0x3000)],
         [(10, 0x1), (11, 0x2)]],
     1: [list(row) for row in HAND_SINGLE],
@@ -115,7 +115,7 @@ class TestHandCases:
     def test_grouped_num_rows(self):
         plan = reference_grouped_plan(**_hand_inputs(), num_rows=5)
         assert plan.num_groups == 1 and plan.num_rows == 5
-        assert _entries(plan, 0) == [(10, 0x14F), (4, 0xF), (14, 0xA), (11, 0x70), (18, 0x40)]
+        assert _entries(plan, 0) == [(10, 0xF), (4, 0xF), (14, 0xA), (10, 0x140), (11, 0x70), (18, 0x40)]
         empty = reference_grouped_plan(**_hand_inputs(), num_rows=0)
         assert empty.num_groups == 0
 
@@ -136,15 +136,15 @@ class TestHandCases:
         assert reference_single_row_plan(**inputs).counts.tolist() == [0] * 9
 
     def test_self_aliasing_request(self):
-        """A table mapping two logical blocks of one request to one physical block: the single-row
-        plan keeps two entries with the same id; the grouped union merges them (masks OR)."""
+        """A table mapping two logical blocks of one request to one physical block: both plans keep
+        two entries with the same id (the union is by logical microblock)."""
         inputs = dict(indices=torch.tensor([[0, 1, 6]], dtype=torch.int32),
                       block_table=torch.tensor([[3, 3]], dtype=torch.int32),
                       token_to_req=torch.zeros(1, dtype=torch.int32),
                       positions=torch.tensor([7]), seq_lens=torch.tensor([8], dtype=torch.int32),
                       block_size=4, num_blocks=4)
         assert _entries(reference_single_row_plan(**inputs), 0) == [(3, 0x3), (3, 0x4)]
-        assert _entries(reference_grouped_plan(**inputs), 0) == [(3, 0x7)]
+        assert _entries(reference_grouped_plan(**inputs), 0) == [(3, 0x3), (3, 0x4)]
 
     def test_bad_arguments(self):
         with pytest.raises(ValueError, match="block_size"):
@@ -223,7 +223,8 @@ class TestWidestGroup:
 
 
 def _vectorised_single_entries(case):
-    """Single-row entries per row, derived from a dense token mask (independent of the planners)."""
+    """Per row: its request (None for a padding row) and its entries ``[(logical microblock, id, mask)]``,
+    derived from a dense token mask (independent of the planners)."""
     bs = case.cache.block_size
     table = case.block_table.long()
     num_reqs, max_blocks = table.shape
@@ -242,20 +243,23 @@ def _vectorised_single_entries(case):
     for r in range(idx.shape[0]):
         lms = torch.nonzero(bits[r]).flatten()
         ids = table[rc[r], lms * 4 // bs] * (bs // 4) + lms % (bs // 4)
-        out.append(list(zip(ids.tolist(), bits[r, lms].tolist())))
+        out.append((int(req[r]) if row_ok[r] else None, list(zip(lms.tolist(), ids.tolist(), bits[r, lms].tolist()))))
     return out
 
 
-def _grouped_from_single(single_entries, group_rows):
-    """Re-derive grouped entries from per-row entries: union by id, key (q, j), masks shifted."""
+def _grouped_from_single(rows, group_rows):
+    """Re-derive grouped entries from per-row entries: union by (request, logical microblock), requests
+    by first row, ascending microblocks, masks shifted by 4q."""
     groups = []
-    for start in range(0, len(single_entries), group_rows):
-        union = {}
-        for q, row in enumerate(single_entries[start:start + group_rows]):
-            for j, (i, m) in enumerate(row):
-                key, mask = union.get(i, ((q, j), 0))
-                union[i] = (min(key, (q, j)), mask | (m << (4 * q)))
-        groups.append([(i, _i32(union[i][1])) for i in sorted(union, key=lambda i: union[i][0])])
+    for start in range(0, len(rows), group_rows):
+        by_req = {}
+        for q, (req, entries) in enumerate(rows[start:start + group_rows]):
+            if req is None:
+                continue
+            union = by_req.setdefault(req, {})
+            for lm, i, m in entries:
+                union[lm] = (i, union.get(lm, (i, 0))[1] | (m << (4 * q)))
+        groups.append([(union[lm][0], _i32(union[lm][1])) for union in by_req.values() for lm in sorted(union)])
     return groups
 
 
@@ -266,8 +270,8 @@ def test_planners_match_token_sets(block_size, seed):
                                seed=seed, padding_rows=3)
     want = _vectorised_single_entries(case)
     single = reference_single_row_plan(**case.plan_inputs())
-    for r, entries in enumerate(want):
-        assert _entries(single, r) == entries, f"row {r}"
+    for r, (_, entries) in enumerate(want):
+        assert _entries(single, r) == [(i, m) for _, i, m in entries], f"row {r}"
         assert _padding_ok(single, r)
     for group_rows in (8, 3):
         grouped = reference_grouped_plan(**case.plan_inputs(), group_rows=group_rows)

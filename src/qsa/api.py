@@ -8,7 +8,7 @@ import torch
 
 from . import attention, routes
 from .plan import (GroupedPlan, PlanWorkspace, SingleRowPlan, check_plan_inputs, physical_order, plan_groups,
-                   plan_single_rows, planner_programs, token_lists)
+                   plan_single_rows, token_lists)
 from .utils import check_tensor, same_device
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
@@ -25,7 +25,8 @@ class AttentionPlan:
 
     Attributes:
         routes: which rows take which kernel (:class:`qsa.routes.RoutePlan`).
-        single: single-row page4 plan of all rows (grouped/xqa routes), else None.
+        single: single-row page4 plan of rows ``[routes.grouped_rows, rows)`` (grouped/xqa routes; the
+            lists of grouped rows are not built), else None.
         grouped: grouped page4 plan of rows ``[0, routes.grouped_rows)``, else None.
         tokens: ``[rows, W]`` int32 distinct kept tokens per row (splitk route), else None.
         token_counts: ``[rows]`` int32 (splitk route), else None.
@@ -65,7 +66,7 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
         num_q_heads, num_kv_heads, head_dim: the attention shape (for admission).
         route: "auto", "grouped", "xqa", "splitk" or "reference".
         out: a previous plan of the same shapes whose buffers are refilled (CUDA-graph capture).
-        workspace: grouped-planner scratch to reuse (see :class:`qsa.plan.PlanWorkspace`).
+        workspace: grouped-planner scratch to reuse (:meth:`qsa.plan.PlanWorkspace.for_plan`).
         order: "logical" (the contract). "physical" sorts grouped entries by physical id, which makes
             outputs depend on page placement: a demonstration of why the order is logical.
     """
@@ -79,19 +80,16 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
                            device=indices.device)
     single = grouped = tokens = counts = None
     if choice.route in ("grouped", "xqa"):
-        single = plan_single_rows(indices, block_table, token_to_req, positions, seq_lens,
-                                  block_size=block_size, num_blocks=num_blocks,
-                                  out=out.single if out is not None else None)
         if choice.grouped_rows:
-            if workspace is None:
-                groups = -(-choice.grouped_rows // choice.group_rows)
-                workspace = PlanWorkspace.allocate(index_width=single.capacity, group_rows=choice.group_rows,
-                                                   programs=planner_programs(groups, indices.device),
-                                                   device=indices.device)
-            grouped = plan_groups(single, group_rows=choice.group_rows, num_rows=choice.grouped_rows,
-                                  out=out.grouped if out is not None else None, workspace=workspace)
+            grouped = plan_groups(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
+                                  num_blocks=num_blocks, group_rows=choice.group_rows,
+                                  num_rows=choice.grouped_rows, out=out.grouped if out is not None else None,
+                                  workspace=workspace)
             if order == "physical":
                 grouped = physical_order(grouped)
+        single = plan_single_rows(indices, block_table, token_to_req, positions, seq_lens,
+                                  block_size=block_size, num_blocks=num_blocks,
+                                  out=out.single if out is not None else None, row_start=choice.grouped_rows)
     elif choice.route == "splitk":
         tokens, counts = token_lists(indices, block_table, token_to_req, positions, seq_lens,
                                      block_size=block_size, num_blocks=num_blocks)

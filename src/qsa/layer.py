@@ -403,15 +403,14 @@ class QSAAttention(nn.Module):
     def _workspace(self, meta: StepMetadata, indices: torch.Tensor):
         """The step's grouped-planner scratch, allocated on first use (None when no rows are grouped)."""
         if meta.workspace is None:
-            from .plan import PlanWorkspace, planner_programs, single_row_capacity
+            from .plan import PlanWorkspace
 
             choice = routes.choose(meta.route, rows=meta.num_rows, G=self.num_q_heads // self.num_kv_heads,
                                    head_dim=self.config.head_dim, device=indices.device)
             if choice.route == "grouped" or choice.grouped_rows:
                 groups = -(-choice.grouped_rows // choice.group_rows)
-                meta.workspace = PlanWorkspace.allocate(
-                    index_width=single_row_capacity(indices.shape[1]), group_rows=choice.group_rows,
-                    programs=planner_programs(max(groups, 1), indices.device), device=indices.device)
+                meta.workspace = PlanWorkspace.for_plan(meta.block_table, block_size=meta.block_size,
+                                                        num_groups=max(groups, 1))
         return meta.workspace
 
 

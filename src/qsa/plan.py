@@ -14,10 +14,10 @@ Two plans (see ``docs/planner.md`` for the derivation):
 * :class:`SingleRowPlan` -- per row, the distinct logical microblocks of its kept tokens in ascending
   logical order, each with a 4-bit mask (bit ``t % 4``). Order depends only on logical data, so
   shuffling a row's indices or moving pages leaves everything but the ids unchanged.
-* :class:`GroupedPlan` -- per group of ``group_rows`` adjacent rows, the union of the rows' entries by
-  *physical* microblock (aliased pages merge, masks OR with row ``q`` in bits ``4q..4q+3``), emitted in
-  ascending order of the key ``(q, j)`` of its first occurrence: ``q`` the smallest contributing group
-  row, ``j`` the entry's position in that row's single-row plan (so the key is logical data only).
+* :class:`GroupedPlan` -- per group of ``group_rows`` adjacent rows, the union of the rows' kept tokens
+  by *(request, logical microblock)*, masks OR-ed with row ``q`` in bits ``4q..4q+3``; the requests
+  of a group in the order of their first row, each request's microblocks in ascending logical order.
+  The key is logical data only; rows of one request share each microblock's single load.
 
 Both pad their lists with entries ``(first id, mask 0)`` up to a multiple of :data:`PAD` so kernels read
 whole tiles without bounds checks; entries past the padded count are unspecified. An empty list has no
@@ -77,7 +77,8 @@ class GroupedPlan:
     Group ``g`` covers rows ``[g * group_rows, min((g + 1) * group_rows, num_rows))``.
 
     Attributes:
-        mb_ids: ``[num_groups, cap]`` int32. Physical microblock ids, each at most once per group.
+        mb_ids: ``[num_groups, cap]`` int32. Physical microblock ids: one entry per (request,
+            logical microblock) of the group, ascending logical order within each request.
         masks: ``[num_groups, cap]`` int32. Bit ``4 * q + t % 4`` set when group row ``q`` keeps token ``t``.
         counts: ``[num_groups]`` int32. Union size of each group (padding not counted).
         group_rows: rows per group (1..8).
@@ -113,55 +114,80 @@ def grouped_capacity(index_width: int, group_rows: int) -> int:
     return max(round_up(group_rows * index_width, PAD), PAD)
 
 
-@dataclass
-class PlanWorkspace:
-    """Scratch of the grouped planner: one open-addressing table per program.
-
-    The kernel leaves every table empty when it finishes, so one workspace serves any number of
-    calls (and CUDA-graph replays) on one stream.
+@dataclass(frozen=True)
+class PlannerConfig:
+    """Launch settings of ``grouped_plan_kernel`` (see ``benchmarks/tune.py``).
 
     Attributes:
-        table_ids: ``[programs, table]`` int32, -1 when empty.
-        table_keys: ``[programs, table]`` int32, INT32_MAX when empty.
-        table_masks: ``[programs, table]`` int32, 0 when empty.
-        slots: ``[programs, group_rows * cap_s]`` int32, the slot of each entry of the current group.
-
-    ``table`` is a power of two above the most entries a group can have, so probing ends; a group
-    uses the smallest power of two at least twice its entries.
+        quads: index quads (4 columns) per row per step of the bitmap pass.
+        scan: logical microblocks per step of the emission scan.
+        num_warps: warps per program.
+        programs_per_sm: persistent programs per SM (each owns one scratch bitmap).
     """
 
-    table_ids: torch.Tensor
-    table_keys: torch.Tensor
-    table_masks: torch.Tensor
-    slots: torch.Tensor
+    quads: int = 64
+    scan: int = 2048
+    num_warps: int = 8
+    programs_per_sm: int = 4
+
+
+PLANNER = PlannerConfig()
+"""The grouped planner's shipped launch settings."""
+
+PLANNER_SCRATCH_BYTES = 256 << 20
+"""The grouped planner's scratch stays under this size (fewer programs for very long contexts)."""
+
+
+@dataclass
+class PlanWorkspace:
+    """Scratch of the grouped planner: one bitmap per program over a request's logical microblocks.
+
+    Byte ``q`` of ``bits[p, x]`` holds group row ``q``'s token bits of logical microblock ``x`` while
+    program ``p`` plans a group; the kernel zeroes every word it touched before it moves on, so one
+    workspace serves any number of calls (and CUDA-graph replays) on one stream.
+
+    Attributes:
+        bits: ``[programs, microblocks]`` int64, zero between calls.
+    """
+
+    bits: torch.Tensor
 
     @classmethod
-    def allocate(cls, *, index_width: int, group_rows: int, programs: int, device) -> "PlanWorkspace":
-        cap_s = single_row_capacity(index_width)
-        table = next_pow2(group_rows * cap_s + 1)
-        return cls(
-            table_ids=torch.full((programs, table), -1, dtype=torch.int32, device=device),
-            table_keys=torch.full((programs, table), INT32_MAX, dtype=torch.int32, device=device),
-            table_masks=torch.zeros((programs, table), dtype=torch.int32, device=device),
-            slots=torch.zeros((programs, group_rows * cap_s), dtype=torch.int32, device=device),
-        )
+    def allocate(cls, *, microblocks: int, programs: int, device) -> "PlanWorkspace":
+        """Scratch for ``programs`` programs and tables of ``microblocks = max_blocks * block_size // 4``."""
+        if microblocks < 0 or programs < 1:
+            raise ValueError(f"need microblocks >= 0 and programs >= 1, got {microblocks}, {programs}")
+        return cls(bits=torch.zeros((programs, max(1, microblocks)), dtype=torch.int64, device=device))
+
+    @classmethod
+    def for_plan(cls, block_table: torch.Tensor, *, block_size: int, num_groups: int,
+                 config: PlannerConfig = PLANNER) -> "PlanWorkspace":
+        """The workspace :func:`plan_groups` allocates for this table and number of groups."""
+        microblocks = block_table.shape[1] * (block_size // 4)
+        return cls.allocate(microblocks=microblocks, device=block_table.device,
+                            programs=planner_programs(num_groups, block_table.device, microblocks=microblocks,
+                                                      config=config))
 
     @property
     def programs(self) -> int:
-        return self.table_ids.shape[0]
+        return self.bits.shape[0]
 
     @property
-    def table(self) -> int:
-        return self.table_ids.shape[1]
+    def microblocks(self) -> int:
+        return self.bits.shape[1]
 
 
-def planner_programs(num_groups: int, device) -> int:
-    """Persistent grid of the grouped planner: a few programs per SM, never more than groups."""
+def planner_programs(num_groups: int, device, *, microblocks: int = 0, config: PlannerConfig = PLANNER) -> int:
+    """Persistent grid of the grouped planner: a few programs per SM, never more than groups, and
+    no more than keep the scratch (8 bytes per logical microblock per program) under
+    :data:`PLANNER_SCRATCH_BYTES` (at least one per SM)."""
     from .utils import device_facts
 
     facts = device_facts(str(torch.device(device)))
-    per_device = 4 * facts["sm_count"] if facts["kind"] == "cuda" else 2
-    return max(1, min(num_groups, per_device))
+    sms = facts["sm_count"] if facts["kind"] == "cuda" else 1
+    per_device = config.programs_per_sm * sms if facts["kind"] == "cuda" else 2
+    by_memory = max(sms, PLANNER_SCRATCH_BYTES // max(1, 8 * microblocks))
+    return max(1, min(num_groups, per_device, by_memory))
 
 
 def check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int,
@@ -194,8 +220,8 @@ def check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, *
 
 
 def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int,
-                     num_blocks: int, out: SingleRowPlan | None = None) -> SingleRowPlan:
-    """Build the single-row plan of every row (see the module docstring for the exact contract).
+                     num_blocks: int, out: SingleRowPlan | None = None, row_start: int = 0) -> SingleRowPlan:
+    """Build the single-row plan of rows ``[row_start, rows)`` (see the module docstring).
 
     Args:
         indices: ``[rows, W]`` int32 token indices; -1 and out-of-range values are dropped.
@@ -206,13 +232,17 @@ def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *,
         block_size: tokens per KV block (multiple of 4).
         num_blocks: physical blocks of the KV cache.
         out: optional plan whose buffers are reused (``[rows, >= single_row_capacity(W)]``).
+        row_start: rows before it are left unplanned (their entries and counts are unspecified); the
+            ``auto`` route plans only the rows the grouped route leaves over.
 
     Returns:
-        SingleRowPlan on ``indices.device``.
+        SingleRowPlan on ``indices.device`` with ``rows`` lists.
     """
     check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                       num_blocks=num_blocks)
     rows, width = indices.shape
+    if not isinstance(row_start, int) or not 0 <= row_start <= rows:
+        raise ValueError(f"row_start must be an int in [0, {rows}], got {row_start!r}")
     cap = single_row_capacity(width)
     if out is None:
         out = SingleRowPlan(
@@ -224,63 +254,70 @@ def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *,
         raise ValueError(f"out must hold [{rows}, >= {cap}] entries, got {tuple(out.mb_ids.shape)}")
     out.block_size, out.num_blocks = block_size, num_blocks
     _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
-               out.mb_ids, out.masks, out.counts, emit_tokens=False)
+               out.mb_ids, out.masks, out.counts, emit_tokens=False, row_start=row_start)
     return out
 
 
-def plan_groups(single: SingleRowPlan, *, group_rows: int = 8, num_rows: int | None = None,
-                out: GroupedPlan | None = None, workspace: PlanWorkspace | None = None) -> GroupedPlan:
-    """Build the grouped plan of rows ``[0, num_rows)`` from their single-row plans.
+def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int, num_blocks: int,
+                group_rows: int = 8, num_rows: int | None = None, out: GroupedPlan | None = None,
+                workspace: PlanWorkspace | None = None, config: PlannerConfig = PLANNER) -> GroupedPlan:
+    """Build the grouped plan of rows ``[0, num_rows)`` straight from the planner inputs.
 
     Args:
-        single: the single-row plan of (at least) these rows.
+        indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks: as for
+            :func:`plan_single_rows`.
         group_rows: adjacent rows per group, 1..8.
-        num_rows: rows to group (default: all rows of ``single``).
+        num_rows: rows to group (default: all rows).
         out: optional plan whose buffers are reused.
-        workspace: optional planner scratch (see :class:`PlanWorkspace`); allocated when omitted.
+        workspace: optional planner scratch (:meth:`PlanWorkspace.for_plan`); allocated when omitted.
+        config: launch settings.
 
     Returns:
         GroupedPlan with ``ceil(num_rows / group_rows)`` groups.
     """
     from .kernels.plan import grouped_plan_kernel
 
+    check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
+                      num_blocks=num_blocks)
     if not isinstance(group_rows, int) or not 1 <= group_rows <= MAX_GROUP_ROWS:
         raise ValueError(f"group_rows must be an int in [1, {MAX_GROUP_ROWS}], got {group_rows!r}")
-    num_rows = single.num_rows if num_rows is None else num_rows
-    if not 0 <= num_rows <= single.num_rows:
-        raise ValueError(f"num_rows must be in [0, {single.num_rows}], got {num_rows}")
-    device = single.mb_ids.device
-    cap_s = single.capacity
+    rows, width = indices.shape
+    num_rows = rows if num_rows is None else num_rows
+    if not isinstance(num_rows, int) or not 0 <= num_rows <= rows:
+        raise ValueError(f"num_rows must be an int in [0, {rows}], got {num_rows!r}")
+    device = indices.device
     num_groups = -(-num_rows // group_rows)
-    cap_g = grouped_capacity(cap_s, group_rows)
+    cap_g = grouped_capacity(width, group_rows)
+    microblocks = block_table.shape[1] * (block_size // 4)
+    if 2 * microblocks > INT32_MAX:
+        raise ValueError(f"block_table has too many columns for the grouped planner: {block_table.shape[1]}")
     if out is None:
         out = GroupedPlan(
             mb_ids=torch.empty((num_groups, cap_g), dtype=torch.int32, device=device),
             masks=torch.empty((num_groups, cap_g), dtype=torch.int32, device=device),
             counts=torch.empty((num_groups,), dtype=torch.int32, device=device),
-            group_rows=group_rows, num_rows=num_rows, block_size=single.block_size,
-            num_blocks=single.num_blocks)
+            group_rows=group_rows, num_rows=num_rows, block_size=block_size, num_blocks=num_blocks)
     elif out.num_groups != num_groups or out.capacity < cap_g:
         raise ValueError(f"out must hold [{num_groups}, >= {cap_g}] entries, got {tuple(out.mb_ids.shape)}")
     out.group_rows, out.num_rows = group_rows, num_rows
-    out.block_size, out.num_blocks = single.block_size, single.num_blocks
+    out.block_size, out.num_blocks = block_size, num_blocks
     if num_groups == 0:
         return out
     if workspace is None:
-        workspace = PlanWorkspace.allocate(index_width=cap_s, group_rows=group_rows,
-                                           programs=planner_programs(num_groups, device), device=device)
-    elif workspace.table <= group_rows * cap_s or workspace.slots.shape[1] < group_rows * cap_s:
-        raise ValueError("workspace is too small for this plan: allocate it with the same index width "
-                         "and group_rows")
+        workspace = PlanWorkspace.for_plan(block_table, block_size=block_size, num_groups=num_groups, config=config)
+    elif workspace.microblocks < microblocks or workspace.bits.device != device:
+        raise ValueError(f"workspace must cover {microblocks} microblocks on {device}, got "
+                         f"{workspace.microblocks} on {workspace.bits.device}")
     programs = min(workspace.programs, num_groups)
     grouped_plan_kernel[(programs,)](
-        single.mb_ids, single.masks, single.counts,
-        out.mb_ids, out.masks, out.counts,
-        workspace.table_ids, workspace.table_keys, workspace.table_masks, workspace.slots,
-        num_rows, num_groups, programs,
-        single.mb_ids.stride(0), single.masks.stride(0), out.mb_ids.stride(0), out.masks.stride(0),
-        workspace.slots.shape[1], GROUP_ROWS=group_rows, BLOCK_Q=next_pow2(group_rows), CHUNK=min(1024, next_pow2(group_rows * cap_s)),
-        TABLE=workspace.table, PAD=PAD, num_warps=4,
+        indices, block_table, token_to_req, positions, seq_lens,
+        out.mb_ids, out.masks, out.counts, workspace.bits.view(torch.int32), workspace.bits,
+        width, num_rows, num_groups, programs, block_table.shape[0], block_table.shape[1], num_blocks,
+        workspace.microblocks, indices.stride(0), block_table.stride(0), out.mb_ids.stride(0),
+        out.masks.stride(0),
+        GROUP_ROWS=group_rows, BLOCK_Q=next_pow2(group_rows), BLOCK_SIZE=block_size,
+        QUADS=min(config.quads, max(1, next_pow2(-(-width // 4)))),
+        SCAN=min(config.scan, max(PAD, next_pow2(microblocks))), PAD=PAD, num_warps=config.num_warps,
     )
     return out
 
@@ -304,13 +341,13 @@ def token_lists(indices, block_table, token_to_req, positions, seq_lens, *, bloc
 
 
 def _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
-               ids, masks, counts, *, emit_tokens: bool) -> None:
+               ids, masks, counts, *, emit_tokens: bool, row_start: int = 0) -> None:
     """Launch the streaming row planner, then the sorting planner for rows found out of order."""
     from .kernels.plan import single_row_plan_kernel, single_row_sort_plan_kernel
     from .utils import device_facts
 
     rows, width = indices.shape
-    if rows == 0:
+    if rows == row_start:
         return
     device = indices.device
     unsorted = torch.empty((rows,), dtype=torch.int32, device=device)
@@ -318,16 +355,16 @@ def _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_si
     facts = device_facts(str(device))
     # Many rows: short steps keep registers low and the GPU full. Few rows (decode): one long step,
     # since each row's steps run one after another.
-    few = facts["kind"] == "cuda" and rows < 2 * facts["sm_count"]
+    few = facts["kind"] == "cuda" and rows - row_start < 2 * facts["sm_count"]
     chunk = min(4096 if few else 512, max(PAD, next_pow2(width)))
     common = dict(W=width, num_reqs=block_table.shape[0], max_blocks=block_table.shape[1],
                   num_blocks=num_blocks, stride_idx_row=indices.stride(0), stride_bt_req=block_table.stride(0),
                   stride_ids_row=ids.stride(0), stride_masks_row=masks.stride(0), BLOCK_SIZE=block_size,
                   CH=chunk, PAD=PAD, EMIT_TOKENS=emit_tokens)
-    single_row_plan_kernel[(rows,)](
+    single_row_plan_kernel[(rows - row_start,)](
         indices, block_table, token_to_req, positions, seq_lens, ids, masks, counts, unsorted, num_unsorted,
-        **common, num_warps=max(4, min(16, chunk // 128)))
-    programs = max(1, min(rows, facts["sm_count"] if facts["kind"] == "cuda" else 2))
+        row_start, **common, num_warps=max(4, min(16, chunk // 128)))
+    programs = max(1, min(rows - row_start, facts["sm_count"] if facts["kind"] == "cuda" else 2))
     block_w = max(next_pow2(width), PAD)
     keys = torch.empty((programs, block_w), dtype=torch.int32, device=device)
     single_row_sort_plan_kernel[(programs,)](

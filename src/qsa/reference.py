@@ -349,11 +349,11 @@ def reference_grouped_plan(indices, block_table, token_to_req, positions, seq_le
                            num_blocks: int, group_rows: int = 8, num_rows: int | None = None) -> GroupedPlan:
     """The grouped page4 plan built with Python loops (see :class:`qsa.plan.GroupedPlan`).
 
-    Rows ``[0, num_rows)`` (default all) in groups of ``group_rows``. Each row's entries are
-    re-derived here (not via :func:`reference_single_row_plan`). Within a group the entries of all
-    rows are merged by physical id: key = smallest ``(q, j)`` (group row, entry index in that row),
-    mask = OR of ``row_mask << 4q`` (stored as int32, bit 31 included); emitted ascending by key,
-    then padded like the single-row plan.
+    Rows ``[0, num_rows)`` (default all) in groups of ``group_rows``; kept tokens re-derived here
+    (not via :func:`reference_single_row_plan`). Within a group, the requests in the order of their
+    first valid row; for each, the union of its rows' logical microblocks, ascending, mask = OR of
+    ``row_mask << 4q`` (stored as int32, bit 31 included), id = the microblock's physical id. Padded
+    like the single-row plan.
     """
     idx, table, t2r, pos, lens = _plan_inputs(indices, block_table, token_to_req, positions, seq_lens,
                                               block_size, num_blocks)
@@ -370,27 +370,22 @@ def reference_grouped_plan(indices, block_table, token_to_req, positions, seq_le
     num_reqs = len(lens)
 
     for g in range(num_groups):
-        union: dict[int, list] = {}  # physical id -> [key (q, j), mask]
+        by_req: dict[int, dict[int, int]] = {}  # request (first-row order) -> logical microblock -> mask
         for q, r in enumerate(range(g * group_rows, min((g + 1) * group_rows, num_rows))):
             req, p = t2r[r], pos[r]
             if req < 0 or req >= num_reqs or p < 0:
                 continue
             row = table[req]
-            microblocks: dict[int, int] = {}  # logical microblock -> 4-bit mask
+            union = by_req.setdefault(req, {})
             for t in set(idx[r]):
                 lb = t // block_size
                 if 0 <= t < lens[req] and t <= p and lb < len(row) and 0 <= row[lb] < num_blocks:
-                    microblocks[t // 4] = microblocks.get(t // 4, 0) | (1 << (t % 4))
-            for j, lm in enumerate(sorted(microblocks)):
-                mb = row[lm * 4 // block_size] * (block_size // 4) + lm % (block_size // 4)
-                if mb in union:
-                    union[mb][1] |= microblocks[lm] << (4 * q)
-                else:
-                    union[mb] = [(q, j), microblocks[lm] << (4 * q)]
-        order = sorted(union, key=lambda mb: union[mb][0])
-        group_ids = list(order)
-        group_masks = [union[mb][1] - (1 << 32) if union[mb][1] >= 1 << 31 else union[mb][1]
-                       for mb in order]
+                    union[t // 4] = union.get(t // 4, 0) | (1 << (t % 4 + 4 * q))
+        group_ids, group_masks = [], []
+        for req, union in by_req.items():
+            for lm in sorted(union):
+                group_ids.append(table[req][lm * 4 // block_size] * (block_size // 4) + lm % (block_size // 4))
+                group_masks.append(union[lm] - (1 << 32) if union[lm] >= 1 << 31 else union[lm])
         counts[g] = len(group_ids)
         _pad(group_ids, group_masks)
         mb_ids[g, :len(group_ids)] = torch.tensor(group_ids, dtype=torch.int32)

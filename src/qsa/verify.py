@@ -330,14 +330,12 @@ class Verifier:
 
 
 def _workspace_for(choice, step: StepInputs, device):
-    from .plan import PlanWorkspace, planner_programs, single_row_capacity
+    from .plan import PlanWorkspace
 
     if not choice.grouped_rows:
         return None
     groups = -(-choice.grouped_rows // choice.group_rows)
-    return PlanWorkspace.allocate(index_width=single_row_capacity(4 * step.index_topk + 3),
-                                  group_rows=choice.group_rows, programs=planner_programs(groups, device),
-                                  device=device)
+    return PlanWorkspace.for_plan(step.block_table.to(device), block_size=step.kv.shape[2], num_groups=groups)
 
 
 def report(checks: list[Check]) -> str:

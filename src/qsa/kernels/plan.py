@@ -1,4 +1,4 @@
-"""Page4 planner kernels: single-row microblock lists and grouped unions by physical microblock."""
+"""Page4 planner kernels: single-row microblock lists, and grouped unions by logical microblock."""
 
 import triton
 import triton.language as tl
@@ -104,6 +104,7 @@ def single_row_plan_kernel(
     counts_ptr,  # [rows] int32 out
     unsorted_ptr,  # [rows] int32 out: rows left to single_row_sort_plan_kernel
     num_unsorted_ptr,  # [1] int32, zero on entry
+    row_start,  # program i plans row row_start + i
     W,
     num_reqs,
     max_blocks,
@@ -122,7 +123,7 @@ def single_row_plan_kernel(
     Kept tokens are read CH at a time; each logical unit is emitted where its run ends, with the OR
     of its bits. A row found out of order is handed to ``single_row_sort_plan_kernel``.
     """
-    i_r = tl.program_id(0).to(tl.int64)
+    i_r = tl.program_id(0).to(tl.int64) + row_start
     req, pos, seq_len, row_ok = _row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs)
     p_idx = idx_ptr + i_r * stride_idx_row
     p_ids = ids_ptr + i_r * stride_ids_row
@@ -216,128 +217,133 @@ def single_row_sort_plan_kernel(
 
 
 @triton.jit
-def _hash_slot(b_id, table_mask):
-    h = b_id.to(tl.uint32) * 2654435761
-    h = h ^ (h >> 15)
-    return (h & table_mask.to(tl.uint32)).to(tl.int32)
+def _or(a, b):
+    return a | b
 
 
 @triton.jit
-def _flat_entry(o_f, b_start, BLOCK_Q: tl.constexpr):
-    """Entry ``o_f`` of a group's rows laid end to end: its row q and index j in that row's list."""
-    o_q = tl.arange(0, BLOCK_Q)
-    # b_start[q] = entries of rows < q (rows past the group hold 0 entries and start at the total).
-    q = tl.sum((o_f[:, None] >= b_start[None, :]).to(tl.int32), 1) - 1
-    start = tl.sum(tl.where(o_q[None, :] == q[:, None], b_start[None, :], 0), 1)
-    return q, o_f - start
+def _nibbles_of_bytes(v):
+    """Pack the low nibble of each byte of an int64 (row q in byte q) into bits ``4q .. 4q + 3``."""
+    v = v & 0x0F0F0F0F0F0F0F0F
+    v = (v | (v >> 4)) & 0x00FF00FF00FF00FF
+    v = (v | (v >> 8)) & 0x0000FFFF0000FFFF
+    v = (v | (v >> 16)) & 0x00000000FFFFFFFF
+    return v.to(tl.int32)
 
 
 @triton.jit
 def grouped_plan_kernel(
-    s_ids_ptr,  # [rows, cap_s] int32 single-row plan ids
-    s_masks_ptr,  # [rows, cap_s] uint8 single-row plan masks
-    s_counts_ptr,  # [rows] int32
-    g_ids_ptr,  # [groups, cap_g] int32 out
+    idx_ptr,  # [rows, W] int32 token indices
+    bt_ptr,  # [num_reqs, max_blocks] int32 block table
+    req_ptr,  # [rows] int32|int64 token_to_req
+    pos_ptr,  # [rows] int32|int64 positions
+    seq_lens_ptr,  # [num_reqs] int32
+    g_ids_ptr,  # [groups, cap_g] int32 out: physical microblock ids
     g_masks_ptr,  # [groups, cap_g] int32 out: bit 4q + t % 4
     g_counts_ptr,  # [groups] int32 out
-    tab_id_ptr,  # [programs, TABLE] int32 scratch, EMPTY between groups
-    tab_key_ptr,  # [programs, TABLE] int32 scratch, INT32_MAX between groups
-    tab_mask_ptr,  # [programs, TABLE] int32 scratch, 0 between groups
-    slot_ptr,  # [programs, >= GROUP_ROWS * cap_s] int32 scratch: table slot of each entry
+    bits_ptr,  # [programs, 2 * XCAP] int32 scratch, all zero between groups
+    bits64_ptr,  # the same memory as [programs, XCAP] int64: byte q of word x = row q's bits of microblock x
+    W,
     num_rows,
     num_groups,
     num_programs,
-    stride_s_ids,
-    stride_s_masks,
+    num_reqs,
+    max_blocks,
+    num_blocks,
+    XCAP,  # logical microblocks a request can have: max_blocks * BLOCK_SIZE // 4
+    stride_idx_row,
+    stride_bt_req,
     stride_g_ids,
     stride_g_masks,
-    stride_slot,
     GROUP_ROWS: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # power of two >= GROUP_ROWS
-    CHUNK: tl.constexpr,  # entries per step, over the group's rows laid end to end
-    TABLE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    QUADS: tl.constexpr,  # index quads (4 columns) per row per step
+    SCAN: tl.constexpr,  # logical microblocks per emission step
     PAD: tl.constexpr,
 ):
-    """Union of each group's single-row lists by physical id, emitted by first-occurrence key (q, j).
+    """Union of each group's rows by (request, logical microblock), emitted in ascending logical order.
 
-    The key of an entry is (group row q, index j in q's list): logical data only. Laying the rows'
-    lists end to end puts the entries in key order, so an entry's position among the emitted ones is
-    a running count. A hash table in per-program scratch collects, for every physical id, the minimum
-    key (atomic_min) and the OR of row-shifted masks (atomic_or); both are order-independent, so the
-    plan does not depend on which thread wins a slot or where pages live. The atomics are relaxed:
-    barriers order the phases, and later phases read the table with L1-bypassing loads.
+    Straight from ``indices``: no per-row plan, sort or hash. For each request of the group (in the
+    order of its first row), every kept token ``t`` of the request's rows ``q`` sets bit ``t % 4`` of
+    byte ``q`` of word ``t // 4`` in a per-program scratch bitmap (relaxed atomic ORs: the result does not
+    depend on their order, nor on the order or repetition of a row's indices). A scan over the touched
+    words, in ascending logical microblock, emits every nonzero word as one entry (its physical id from the
+    block table, the row nibbles packed into the 32-bit mask) at a running count, and zeroes it again.
+    Index quads that fall in one microblock (as select_tokens emits them) take a single atomic.
     """
     pid = tl.program_id(0)
-    p_tab_id = tab_id_ptr + pid.to(tl.int64) * TABLE
-    p_tab_key = tab_key_ptr + pid.to(tl.int64) * TABLE
-    p_tab_mask = tab_mask_ptr + pid.to(tl.int64) * TABLE
-    p_slot = slot_ptr + pid.to(tl.int64) * stride_slot
+    p_bits = bits_ptr + pid.to(tl.int64) * (2 * XCAP)
+    p_bits64 = bits64_ptr + pid.to(tl.int64) * XCAP
     o_q = tl.arange(0, BLOCK_Q)
-    o_c = tl.arange(0, CHUNK)
+    o_a = tl.arange(0, QUADS)
+    o_t = tl.arange(0, 4)
+    o_s = tl.arange(0, SCAN)
+    PER_BLOCK: tl.constexpr = BLOCK_SIZE // 4
 
     g = pid
     while g < num_groups:
         row0 = g.to(tl.int64) * GROUP_ROWS
-        b_n = tl.load(s_counts_ptr + row0 + o_q, mask=(o_q < GROUP_ROWS) & (row0 + o_q < num_rows), other=0)
-        b_start = tl.cumsum(b_n, 0) - b_n
-        total = tl.sum(b_n, 0)
-        table_size = 2
-        while table_size < tl.minimum(2 * total, TABLE):
-            table_size *= 2
-        table_mask = table_size - 1
-
-        # Phase 1: insert every entry; remember its slot.
-        for f in range(0, total, CHUNK):
-            o_f = f + o_c
-            m_e = o_f < total
-            b_q, b_j = _flat_entry(o_f, b_start, BLOCK_Q)
-            o_src = (row0 + b_q) * stride_s_ids + b_j
-            b_id = tl.load(s_ids_ptr + o_src, mask=m_e, other=0)
-            b_bits = tl.load(s_masks_ptr + (row0 + b_q) * stride_s_masks + b_j, mask=m_e, other=0).to(tl.int32)
-            b_h = _hash_slot(b_id, table_mask)
-            m_active = m_e
-            while tl.max(m_active.to(tl.int32), 0) > 0:
-                # Inactive lanes compare against an impossible value: the CAS is a no-op read.
-                b_old = tl.atomic_cas(p_tab_id + b_h, tl.where(m_active, EMPTY, -2), b_id, sem="relaxed")
-                m_hit = m_active & ((b_old == EMPTY) | (b_old == b_id))
-                m_active = m_active & ~m_hit
-                b_h = tl.where(m_active, (b_h + 1) & table_mask, b_h)
-            tl.store(p_slot + o_f, b_h, mask=m_e)
-            tl.atomic_min(p_tab_key + b_h, o_f, mask=m_e, sem="relaxed")
-            tl.atomic_or(p_tab_mask + b_h, b_bits << (4 * b_q), mask=m_e, sem="relaxed")
-        tl.debug_barrier()
-
-        # Phase 2: emit, in key order, the entries that are their id's first occurrence.
+        m_q = (o_q < GROUP_ROWS) & (row0 + o_q < num_rows)
+        b_req = tl.load(req_ptr + row0 + o_q, mask=m_q, other=-1).to(tl.int64)
+        b_pos = tl.load(pos_ptr + row0 + o_q, mask=m_q, other=-1).to(tl.int64)
+        b_pending = m_q & (b_req >= 0) & (b_req < num_reqs) & (b_pos >= 0)
         p_gids = g_ids_ptr + g.to(tl.int64) * stride_g_ids
         p_gmasks = g_masks_ptr + g.to(tl.int64) * stride_g_masks
-        base = 0
-        for f in range(0, total, CHUNK):
-            o_f = f + o_c
-            m_e = o_f < total
-            b_h = tl.load(p_slot + o_f, mask=m_e, other=0, cache_modifier=".cg")
-            m_rep = m_e & (tl.load(p_tab_key + b_h, mask=m_e, other=-1, cache_modifier=".cg") == o_f)
-            b_pos = base + tl.cumsum(m_rep.to(tl.int32), 0) - 1
-            b_q, b_j = _flat_entry(o_f, b_start, BLOCK_Q)
-            b_id = tl.load(s_ids_ptr + (row0 + b_q) * stride_s_ids + b_j, mask=m_rep, other=0)
-            b_gmask = tl.load(p_tab_mask + b_h, mask=m_rep, other=0, cache_modifier=".cg")
-            tl.store(p_gids + b_pos, b_id, mask=m_rep)
-            tl.store(p_gmasks + b_pos, b_gmask, mask=m_rep)
-            base += tl.sum(m_rep.to(tl.int32), 0)
-        tl.store(g_counts_ptr + g, base)
-        tl.debug_barrier()
+        count = 0
+        while tl.max(b_pending.to(tl.int32), 0) > 0:
+            # The request of the first pending row, and all pending rows of it.
+            q_first = tl.min(tl.where(b_pending, o_q, BLOCK_Q), 0)
+            req = tl.sum(tl.where(o_q == q_first, b_req, 0), 0)
+            b_mine = b_pending & (b_req == req)
+            b_pending = b_pending & ~b_mine
+            seq_len = tl.load(seq_lens_ptr + req).to(tl.int64)
+            p_bt = bt_ptr + req * stride_bt_req
 
-        # Pad to a whole tile with (first id, mask 0); then leave the table empty for the next group.
-        first_id = tl.load(p_gids, mask=base > 0, other=0, cache_modifier=".cg")
-        o_pad = base + tl.arange(0, PAD)
-        m_pad = o_pad < (base + PAD - 1) // PAD * PAD
+            # Phase 1: set the bits of every kept token of the request's rows.
+            x_lo = XCAP
+            x_hi = -1
+            for c in range(0, W, 4 * QUADS):
+                o_col = c + 4 * o_a[None, :, None] + o_t[None, None, :]  # [1, QUADS, 4]
+                m_t = b_mine[:, None, None] & (o_col < W)
+                b_t = tl.load(idx_ptr + (row0 + o_q[:, None, None]) * stride_idx_row + o_col, mask=m_t, other=-1)
+                b_lb = b_t // BLOCK_SIZE
+                m_t = m_t & (b_t >= 0) & (b_t < seq_len) & (b_t <= b_pos[:, None, None]) & (b_lb < max_blocks)
+                b_phys = tl.load(p_bt + b_lb, mask=m_t, other=-1)
+                m_t = m_t & (b_phys >= 0) & (b_phys < num_blocks)
+                b_x = b_t >> 2
+                b_bit = tl.where(m_t, 1 << (b_t & 3), 0) << (8 * (o_q[:, None, None] & 3))
+                b_word = 2 * b_x + (o_q[:, None, None] >> 2)
+                # A quad whose kept tokens share one microblock takes one atomic with their OR.
+                q_lo = tl.min(tl.where(m_t, b_x, XCAP), 2)
+                q_hi = tl.max(tl.where(m_t, b_x, -1), 2)
+                m_one = q_lo == q_hi
+                q_bits = tl.reduce(b_bit, 2, _or)
+                tl.atomic_or(p_bits + 2 * q_lo + (o_q[:, None] >> 2), q_bits, mask=m_one, sem="relaxed")
+                tl.atomic_or(p_bits + b_word, b_bit, mask=m_t & ~m_one[:, :, None], sem="relaxed")
+                x_lo = tl.minimum(x_lo, tl.min(tl.min(q_lo, 1), 0))
+                x_hi = tl.maximum(x_hi, tl.max(tl.max(q_hi, 1), 0))
+            tl.debug_barrier()
+
+            # Phase 2: emit the nonzero words in ascending logical order; leave them zero.
+            for s in range(x_lo, x_hi + 1, SCAN):
+                o_x = s + o_s
+                m_x = o_x <= x_hi
+                b_v = tl.load(p_bits64 + o_x, mask=m_x, other=0, cache_modifier=".cg")
+                m_live = b_v != 0
+                b_slot = count + tl.cumsum(m_live.to(tl.int32), 0) - 1
+                b_page = tl.load(p_bt + o_x // PER_BLOCK, mask=m_live, other=0)
+                tl.store(p_gids + b_slot, b_page * PER_BLOCK + o_x % PER_BLOCK, mask=m_live)
+                tl.store(p_gmasks + b_slot, _nibbles_of_bytes(b_v), mask=m_live)
+                tl.store(p_bits64 + o_x, tl.zeros([SCAN], tl.int64), mask=m_live)
+                count += tl.sum(m_live.to(tl.int32), 0)
+            tl.debug_barrier()
+
+        tl.store(g_counts_ptr + g, count)
+        # Pad to a whole tile with (first id, mask 0): a real microblock some row uses.
+        first_id = tl.load(p_gids, mask=count > 0, other=0, cache_modifier=".cg")
+        o_pad = count + tl.arange(0, PAD)
+        m_pad = o_pad < (count + PAD - 1) // PAD * PAD
         tl.store(p_gids + o_pad, tl.zeros([PAD], tl.int32) + first_id, mask=m_pad)
         tl.store(p_gmasks + o_pad, tl.zeros([PAD], tl.int32), mask=m_pad)
-        for f in range(0, total, CHUNK):
-            o_f = f + o_c
-            m_e = o_f < total
-            b_h = tl.load(p_slot + o_f, mask=m_e, other=0, cache_modifier=".cg")
-            tl.store(p_tab_id + b_h, tl.zeros([CHUNK], tl.int32) + EMPTY, mask=m_e)
-            tl.store(p_tab_key + b_h, tl.zeros([CHUNK], tl.int32) + INT32_MAX, mask=m_e)
-            tl.store(p_tab_mask + b_h, tl.zeros([CHUNK], tl.int32), mask=m_e)
-        tl.debug_barrier()
         g += num_programs
