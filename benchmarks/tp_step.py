@@ -15,11 +15,13 @@ Run from the checkout root: ``PYTHONPATH=src python -m benchmarks.tp_step [--tp 
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import statistics
 import sys
 import tempfile
+import time
 
 import torch
 import torch.multiprocessing as mp
@@ -42,6 +44,13 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
     from qsa.layer import QSAAttention, QSAConfig, StepMetadata
     from qsa.serving import prefill_schedule
     from qsa.tp import TPInfo, destroy, init_local_group
+
+    faulthandler.dump_traceback_later(args.watchdog, exit=True)  # a hung rank prints where it is
+    t0 = time.time()
+
+    def say(msg):
+        if rank == 0:
+            print(f"  TP{world} {time.time() - t0:6.1f}s {msg}", flush=True)
 
     if world > 1:
         tp = init_local_group(rank, world, port, backend="nccl")
@@ -79,22 +88,26 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
             meta = meta_for([(c.slot, c.start, c.end) for c in step])
             layer(hidden(meta.num_rows), meta, cache)
         torch.cuda.synchronize()
+        say(f"context filled: {R} x {L} tokens")
 
         meta = meta_for([(0, L - args.chunk, L)])
         x = hidden(args.chunk)
         layer(x, meta, cache)
         prefill_ms = _median_ms(lambda: layer(x, meta, cache), args.reps)
+        say(f"prefill {prefill_ms:.3f} ms")
 
         dmeta = meta_for([(r, L, L + 1) for r in range(R)])
         dx = hidden(R)
         layer(dx, dmeta, cache)
         decode_ms = _median_ms(lambda: layer(dx, dmeta, cache), args.reps)
+        say(f"decode {decode_ms:.3f} ms; capturing a CUDA graph")
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         with torch.cuda.graph(graph):
             layer(dx, dmeta, cache)
         graph.replay()
         decode_graph_ms = _median_ms(graph.replay, args.reps)
+        say(f"decode graph {decode_graph_ms:.3f} ms")
 
     if rank == 0:
         with open(out_path, "w") as f:
@@ -102,6 +115,7 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
                            decode_ms=decode_ms, decode_graph_ms=decode_graph_ms), f)
     if world > 1:
         destroy()
+    faulthandler.cancel_dump_traceback_later()
 
 
 def main(argv=None) -> int:
@@ -112,6 +126,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=2048, help="rows of the timed prefill step")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--watchdog", type=float, default=240, help="seconds before a rank dumps its stack and exits")
+    p.add_argument("--json", default=None, help="also write the rows (with device and settings) to this file")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.tp_step needs CUDA GPUs", file=sys.stderr)
@@ -128,6 +144,7 @@ def main(argv=None) -> int:
             mp.spawn(_worker, args=(world, free_port(), args, out), nprocs=world, join=True)
             with open(out) as f:
                 rows.append(json.load(f))
+            print(f"TP{world}: {rows[-1]}", flush=True)
     print(f"{args.requests} requests x {args.context} tokens of context, prefill chunk {args.chunk}, "
           f"block size {args.block_size}; {torch.cuda.get_device_name()}")
     print(f"{'TP':>3s} {'heads/rank':>10s} {'prefill ms':>10s} {'prefill tok/s':>13s} {'decode ms':>9s} "
@@ -135,6 +152,11 @@ def main(argv=None) -> int:
     for r in rows:
         print(f"{r['tp']:>3d} {r['heads']:>10s} {r['prefill_ms']:>10.3f} {args.chunk / r['prefill_ms'] * 1e3:>13.0f} "
               f"{r['decode_ms']:>9.3f} {r['decode_graph_ms']:>15.3f}")
+    if args.json:
+        record = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
+                  "settings": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows}
+        with open(args.json, "w") as f:
+            json.dump(record, f, indent=1)
     return 0
 
 
