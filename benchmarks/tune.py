@@ -30,8 +30,10 @@ GROUPED = [  # rows_per_prog (at most), max tile rows, mb, num_warps, num_stages
     (8, 64, 8, 4, 3, 2), (8, 64, 8, 4, 2, 2), (8, 64, 16, 4, 2, 2), (8, 64, 16, 4, 3, 2), (8, 64, 4, 4, 4, 2),
     (8, 64, 8, 4, 3, 1), (8, 64, 8, 4, 3, 4), (8, 128, 8, 8, 3, 2), (4, 32, 8, 4, 3, 2),
 ]
-PLANNER = [  # grouped planner: quads per row step, scan step, num_warps, programs_per_sm
-    (64, 2048, 8, 4), (32, 1024, 4, 4), (64, 1024, 4, 8), (128, 2048, 8, 2), (64, 4096, 8, 4), (32, 2048, 4, 8),
+PLANNER = [  # grouped planner: quads per row step, scan step, num_warps, programs_per_sm, layout
+    *((q, s, w, p, lay) for lay in ("nibbles", "rows")
+      for q, s, w, p in ((64, 2048, 8, 4), (64, 1024, 4, 8), (32, 1024, 4, 8), (128, 2048, 8, 4),
+                         (64, 4096, 8, 4), (64, 2048, 4, 8), (128, 4096, 8, 2), (32, 512, 4, 16))),
 ]
 SPLIT = [  # tile_tokens, num_warps, num_stages, programs_per_sm
     (64, 4, 2, 3), (64, 4, 2, 1), (64, 4, 2, 6), (64, 4, 3, 3), (32, 4, 3, 3), (128, 8, 2, 3), (64, 8, 2, 3),
@@ -63,6 +65,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--only", action="append", default=[])
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under the Triton interpreter")
+    ap.add_argument("--planner-only", action="store_true", help="sweep the planners only")
     args = ap.parse_args(argv)
     dev = torch.device("cpu" if args.smoke else "cuda")
     grouped_settings = GROUPED[:2] if args.smoke else GROUPED
@@ -87,7 +90,7 @@ def main(argv=None) -> int:
     for scn in workloads(args.smoke):
         if args.only and not any(s in scn.name for s in args.only):
             continue
-        sweep(scn, dev, record, grouped_settings, split_settings)
+        sweep(scn, dev, record, grouped_settings, split_settings, args.planner_only)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -98,7 +101,7 @@ def main(argv=None) -> int:
     return 0
 
 
-def sweep(scn: Scenario, dev, record, grouped_settings, split_settings) -> None:
+def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_only: bool = False) -> None:
     """Every setting of one workload: planners, grouped, xqa and splitk, each checked then timed."""
     t0 = time.time()
     w = attention_workload(scn, dev)
@@ -106,9 +109,10 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings) -> None:
           f"union/group {w.stats['avg_union_per_group']:.0f}", flush=True)
     q, c = w.q, w.cache
     args_ = (q, *w.args)
-    with full_fp32_matmul():
-        ref = chunked_attention(*args_, compute_dtype=torch.float32, **w.cache_kwargs).double()
-    low = chunked_attention(*args_, compute_dtype=q.dtype, **w.cache_kwargs)
+    if not planner_only:
+        with full_fp32_matmul():
+            ref = chunked_attention(*args_, compute_dtype=torch.float32, **w.cache_kwargs).double()
+        low = chunked_attention(*args_, compute_dtype=q.dtype, **w.cache_kwargs)
     check = lambda out: assert_close_like_torch(out, ref, low)  # noqa: E731
     inputs = dict(indices=w.indices, block_table=w.block_table, token_to_req=w.token_to_req,
                   positions=w.positions, seq_lens=w.seq_lens, block_size=c.block_size,
@@ -138,6 +142,9 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings) -> None:
                 if diff:
                     raise AssertionError(diff[0])
             record(scn.name, "plan-grouped", setting, run_planner, check_plan)
+    if planner_only:
+        return
+    if rows >= 8 and scn.num_reqs == 1:
         for rp, tile_rows, mb, nw, ns, pps in grouped_settings:
             while rp > 1 and rp * G > tile_rows:
                 rp //= 2

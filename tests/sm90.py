@@ -125,11 +125,11 @@ def check_merge_and_planner_kernels():
     compile_sm90(single_row_sort_plan_kernel, rows,
                  dict(BLOCK_SIZE=16, BLOCK_W=4096, CH=512, PAD=16, EMIT_TOKENS=True), num_warps=16)
     groups = {"idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32",
-              "g_ids_ptr": "*i32", "g_masks_ptr": "*i32", "g_counts_ptr": "*i32", "bits_ptr": "*i32",
-              "bits64_ptr": "*i64"}
+              "g_ids_ptr": "*i32", "g_masks_ptr": "*i32", "g_counts_ptr": "*i32", "bits_ptr": "*i32"}
     cfg = PLANNER
-    compile_sm90(grouped_plan_kernel, groups, dict(GROUP_ROWS=8, BLOCK_Q=8, BLOCK_SIZE=16, QUADS=cfg.quads,
-                                                   SCAN=cfg.scan, PAD=16), num_warps=cfg.num_warps)
+    for layout in (0, 1):
+        compile_sm90(grouped_plan_kernel, groups, dict(GROUP_ROWS=8, BLOCK_Q=8, BLOCK_SIZE=16, QUADS=cfg.quads,
+                                                       SCAN=cfg.scan, LAYOUT=layout, PAD=16), num_warps=cfg.num_warps)
 
 
 def main() -> int:

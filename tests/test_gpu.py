@@ -154,3 +154,33 @@ def test_cuda_graph_replay_matches_eager():
         torch.cuda.synchronize()
         eager = run(case, "auto", gate=case["gate"])
         assert torch.equal(out, eager), "graph replay differs from eager"
+
+
+@pytest.mark.parametrize("config", [qsa.plan.PLANNER, qsa.plan.PlannerConfig(quads=32, scan=1024, num_warps=4),
+                                    qsa.plan.PlannerConfig(layout="rows"), qsa.plan.PlannerConfig(layout="nibbles")])
+def test_planners_match_reference_at_real_width(config):
+    """Rows of 2051 indices (shuffled, with duplicates and wild values) over 3 requests and an
+    aliased prefix page: the GPU planners equal the loop reference planners exactly."""
+    from qsa.plan import plan_groups, plan_single_rows
+    from qsa.reference import compare_plans, reference_grouped_plan, reference_single_row_plan
+
+    c = qsa_case(rows=75, context=16384, num_reqs=3, head_dim=16, seed=9)
+    idx = c["indices"].clone()
+    g = torch.Generator(device="cuda").manual_seed(1)
+    perm = torch.argsort(torch.rand(idx.shape, device="cuda", generator=g), dim=1)
+    idx = torch.gather(idx, 1, perm)
+    idx[::5, :40] = idx[::5, 40:80]  # duplicates
+    idx[1::7, :6] = torch.tensor([-5, 2**31 - 1, 16384, 10**6, -2**31, 70000], dtype=torch.int32, device="cuda")
+    table = c["block_table"].clone()
+    table[1, :4] = table[0, :4]  # a shared prefix page run
+    table[2, 7] = -1  # an invalid entry
+    inputs = dict(indices=idx, block_table=table, token_to_req=c["token_to_req"], positions=c["positions"],
+                  seq_lens=c["seq_lens"], block_size=16, num_blocks=c["kv"].shape[0])
+    grouped = plan_groups(**inputs, num_rows=72, config=config)
+    single = plan_single_rows(**inputs, row_start=72)
+    cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    assert compare_plans(grouped, reference_grouped_plan(**cpu, num_rows=72)) == []
+    ref_single = reference_single_row_plan(**cpu)
+    tail = lambda p: type(p)(p.mb_ids[72:].cpu(), p.masks[72:].cpu(), p.counts[72:].cpu(),  # noqa: E731
+                             p.block_size, p.num_blocks)
+    assert compare_plans(tail(single), tail(ref_single)) == []

@@ -120,15 +120,18 @@ class PlannerConfig:
 
     Attributes:
         quads: index quads (4 columns) per row per step of the bitmap pass.
-        scan: logical microblocks per step of the emission scan.
+        scan: logical microblocks per step of the emission scan (a multiple of 8).
         num_warps: warps per program.
         programs_per_sm: persistent programs per SM (each owns one scratch bitmap).
+        layout: "nibbles" (one int32 per logical microblock, row q's bits at 4q) or "rows" (one
+            bitmap per group row, 8 microblocks per int32: the rows' atomics never share a word).
     """
 
     quads: int = 64
     scan: int = 2048
     num_warps: int = 8
     programs_per_sm: int = 4
+    layout: str = "nibbles"
 
 
 PLANNER = PlannerConfig()
@@ -142,12 +145,12 @@ PLANNER_SCRATCH_BYTES = 256 << 20
 class PlanWorkspace:
     """Scratch of the grouped planner: one bitmap per program over a request's logical microblocks.
 
-    Byte ``q`` of ``bits[p, x]`` holds group row ``q``'s token bits of logical microblock ``x`` while
-    program ``p`` plans a group; the kernel zeroes every word it touched before it moves on, so one
-    workspace serves any number of calls (and CUDA-graph replays) on one stream.
+    Program ``p`` keeps 4 bits per group row and logical microblock in ``bits[p]`` while it plans a
+    group (``PlannerConfig.layout`` says where); the kernel zeroes every word it touched before it moves
+    on, so one workspace serves any number of calls (and CUDA-graph replays) on one stream.
 
     Attributes:
-        bits: ``[programs, microblocks]`` int64, zero between calls.
+        bits: ``[programs, round_up(microblocks, 8)]`` int32, zero between calls.
     """
 
     bits: torch.Tensor
@@ -157,7 +160,7 @@ class PlanWorkspace:
         """Scratch for ``programs`` programs and tables of ``microblocks = max_blocks * block_size // 4``."""
         if microblocks < 0 or programs < 1:
             raise ValueError(f"need microblocks >= 0 and programs >= 1, got {microblocks}, {programs}")
-        return cls(bits=torch.zeros((programs, max(1, microblocks)), dtype=torch.int64, device=device))
+        return cls(bits=torch.zeros((programs, max(8, round_up(microblocks, 8))), dtype=torch.int32, device=device))
 
     @classmethod
     def for_plan(cls, block_table: torch.Tensor, *, block_size: int, num_groups: int,
@@ -179,14 +182,14 @@ class PlanWorkspace:
 
 def planner_programs(num_groups: int, device, *, microblocks: int = 0, config: PlannerConfig = PLANNER) -> int:
     """Persistent grid of the grouped planner: a few programs per SM, never more than groups, and
-    no more than keep the scratch (8 bytes per logical microblock per program) under
+    no more than keep the scratch (4 bytes per logical microblock per program) under
     :data:`PLANNER_SCRATCH_BYTES` (at least one per SM)."""
     from .utils import device_facts
 
     facts = device_facts(str(torch.device(device)))
     sms = facts["sm_count"] if facts["kind"] == "cuda" else 1
     per_device = config.programs_per_sm * sms if facts["kind"] == "cuda" else 2
-    by_memory = max(sms, PLANNER_SCRATCH_BYTES // max(1, 8 * microblocks))
+    by_memory = max(sms, PLANNER_SCRATCH_BYTES // max(1, 4 * microblocks))
     return max(1, min(num_groups, per_device, by_memory))
 
 
@@ -289,7 +292,7 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
     num_groups = -(-num_rows // group_rows)
     cap_g = grouped_capacity(width, group_rows)
     microblocks = block_table.shape[1] * (block_size // 4)
-    if 2 * microblocks > INT32_MAX:
+    if microblocks + 8 > INT32_MAX:
         raise ValueError(f"block_table has too many columns for the grouped planner: {block_table.shape[1]}")
     if out is None:
         out = GroupedPlan(
@@ -309,15 +312,18 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
         raise ValueError(f"workspace must cover {microblocks} microblocks on {device}, got "
                          f"{workspace.microblocks} on {workspace.bits.device}")
     programs = min(workspace.programs, num_groups)
+    if config.layout not in ("nibbles", "rows"):
+        raise ValueError(f"config.layout must be 'nibbles' or 'rows', got {config.layout!r}")
     grouped_plan_kernel[(programs,)](
         indices, block_table, token_to_req, positions, seq_lens,
-        out.mb_ids, out.masks, out.counts, workspace.bits.view(torch.int32), workspace.bits,
+        out.mb_ids, out.masks, out.counts, workspace.bits,
         width, num_rows, num_groups, programs, block_table.shape[0], block_table.shape[1], num_blocks,
-        workspace.microblocks, indices.stride(0), block_table.stride(0), out.mb_ids.stride(0),
+        workspace.bits.shape[1], indices.stride(0), block_table.stride(0), out.mb_ids.stride(0),
         out.masks.stride(0),
         GROUP_ROWS=group_rows, BLOCK_Q=next_pow2(group_rows), BLOCK_SIZE=block_size,
         QUADS=min(config.quads, max(1, next_pow2(-(-width // 4)))),
-        SCAN=min(config.scan, max(PAD, next_pow2(microblocks))), PAD=PAD, num_warps=config.num_warps,
+        SCAN=min(config.scan, max(PAD, next_pow2(microblocks))), LAYOUT=0 if config.layout == "nibbles" else 1,
+        PAD=PAD, num_warps=config.num_warps,
     )
     return out
 

@@ -221,14 +221,25 @@ def _or(a, b):
     return a | b
 
 
+LAYOUT_NIBBLES = tl.constexpr(0)  # scratch word x: row q's bits of microblock x at 4q .. 4q + 3
+LAYOUT_ROWS = tl.constexpr(1)  # row q's own bitmap: word x // 8, microblock x at 4 * (x % 8) .. + 3
+
+
 @triton.jit
-def _nibbles_of_bytes(v):
-    """Pack the low nibble of each byte of an int64 (row q in byte q) into bits ``4q .. 4q + 3``."""
-    v = v & 0x0F0F0F0F0F0F0F0F
-    v = (v | (v >> 4)) & 0x00FF00FF00FF00FF
-    v = (v | (v >> 8)) & 0x0000FFFF0000FFFF
-    v = (v | (v >> 16)) & 0x00000000FFFFFFFF
-    return v.to(tl.int32)
+def _quad_bits(b_t, b_ok, b_q, LAYOUT: tl.constexpr, XCAP):
+    """Per index quad (last axis): (scratch word of the quad's microblock, its bits, whether all kept
+    tokens of the quad share one microblock); and per token (word, bit) for quads that do not."""
+    b_x = b_t >> 2
+    if LAYOUT == LAYOUT_NIBBLES:
+        b_word = b_x
+        b_bit = tl.where(b_ok, 1 << (b_t & 3), 0) << (4 * b_q)
+    else:
+        b_word = b_q * (XCAP // 8) + (b_x >> 3)
+        b_bit = tl.where(b_ok, 1 << (b_t & 3), 0) << (4 * (b_x & 7))
+    q_lo = tl.min(tl.where(b_ok, b_x, XCAP), 2)
+    q_hi = tl.max(tl.where(b_ok, b_x, -1), 2)
+    q_word = tl.min(tl.where(b_ok, b_word, 2**31 - 1), 2)
+    return q_word, tl.reduce(b_bit, 2, _or), q_lo == q_hi, b_word, b_bit, q_lo, q_hi
 
 
 @triton.jit
@@ -241,8 +252,7 @@ def grouped_plan_kernel(
     g_ids_ptr,  # [groups, cap_g] int32 out: physical microblock ids
     g_masks_ptr,  # [groups, cap_g] int32 out: bit 4q + t % 4
     g_counts_ptr,  # [groups] int32 out
-    bits_ptr,  # [programs, 2 * XCAP] int32 scratch, all zero between groups
-    bits64_ptr,  # the same memory as [programs, XCAP] int64: byte q of word x = row q's bits of microblock x
+    bits_ptr,  # [programs, XCAP] int32 scratch, all zero between groups (see LAYOUT)
     W,
     num_rows,
     num_groups,
@@ -250,7 +260,7 @@ def grouped_plan_kernel(
     num_reqs,
     max_blocks,
     num_blocks,
-    XCAP,  # logical microblocks a request can have: max_blocks * BLOCK_SIZE // 4
+    XCAP,  # scratch words per program: logical microblocks of a request (max_blocks * BLOCK_SIZE // 4), x8
     stride_idx_row,
     stride_bt_req,
     stride_g_ids,
@@ -259,27 +269,29 @@ def grouped_plan_kernel(
     BLOCK_Q: tl.constexpr,  # power of two >= GROUP_ROWS
     BLOCK_SIZE: tl.constexpr,
     QUADS: tl.constexpr,  # index quads (4 columns) per row per step
-    SCAN: tl.constexpr,  # logical microblocks per emission step
+    SCAN: tl.constexpr,  # logical microblocks per emission step (a multiple of 8)
+    LAYOUT: tl.constexpr,
     PAD: tl.constexpr,
 ):
     """Union of each group's rows by (request, logical microblock), emitted in ascending logical order.
 
     Straight from ``indices``: no per-row plan, sort or hash. For each request of the group (in the
     order of its first row), every kept token ``t`` of the request's rows ``q`` sets bit ``t % 4`` of
-    byte ``q`` of word ``t // 4`` in a per-program scratch bitmap (relaxed atomic ORs: the result does not
-    depend on their order, nor on the order or repetition of a row's indices). A scan over the touched
-    words, in ascending logical microblock, emits every nonzero word as one entry (its physical id from the
-    block table, the row nibbles packed into the 32-bit mask) at a running count, and zeroes it again.
-    Index quads that fall in one microblock (as select_tokens emits them) take a single atomic.
+    row ``q``'s nibble of logical microblock ``t // 4`` in a per-program scratch bitmap (relaxed atomic
+    ORs: the result depends neither on their order nor on the order or repetition of a row's indices).
+    A scan over the touched microblocks, in ascending logical order, emits every nonzero one as an entry
+    (its physical id from the block table, the row nibbles as the 32-bit mask) at a running count, and
+    zeroes the scratch again. Index quads that fall in one microblock (as select_tokens emits them) take
+    a single atomic.
     """
     pid = tl.program_id(0)
-    p_bits = bits_ptr + pid.to(tl.int64) * (2 * XCAP)
-    p_bits64 = bits64_ptr + pid.to(tl.int64) * XCAP
+    p_bits = bits_ptr + pid.to(tl.int64) * XCAP
     o_q = tl.arange(0, BLOCK_Q)
     o_a = tl.arange(0, QUADS)
     o_t = tl.arange(0, 4)
-    o_s = tl.arange(0, SCAN)
     PER_BLOCK: tl.constexpr = BLOCK_SIZE // 4
+    STEP: tl.constexpr = 4 * QUADS
+    SCAN_W: tl.constexpr = SCAN // 8
 
     g = pid
     while g < num_groups:
@@ -290,6 +302,7 @@ def grouped_plan_kernel(
         b_pending = m_q & (b_req >= 0) & (b_req < num_reqs) & (b_pos >= 0)
         p_gids = g_ids_ptr + g.to(tl.int64) * stride_g_ids
         p_gmasks = g_masks_ptr + g.to(tl.int64) * stride_g_masks
+        p_idx = idx_ptr + (row0 + o_q[:, None, None]) * stride_idx_row
         count = 0
         while tl.max(b_pending.to(tl.int32), 0) > 0:
             # The request of the first pending row, and all pending rows of it.
@@ -300,43 +313,59 @@ def grouped_plan_kernel(
             seq_len = tl.load(seq_lens_ptr + req).to(tl.int64)
             p_bt = bt_ptr + req * stride_bt_req
 
-            # Phase 1: set the bits of every kept token of the request's rows.
+            # Phase 1: set the bits of every kept token of the request's rows (next step's indices in flight).
             x_lo = XCAP
             x_hi = -1
-            for c in range(0, W, 4 * QUADS):
-                o_col = c + 4 * o_a[None, :, None] + o_t[None, None, :]  # [1, QUADS, 4]
-                m_t = b_mine[:, None, None] & (o_col < W)
-                b_t = tl.load(idx_ptr + (row0 + o_q[:, None, None]) * stride_idx_row + o_col, mask=m_t, other=-1)
+            o_col = 4 * o_a[None, :, None] + o_t[None, None, :]  # [1, QUADS, 4]
+            b_t_next = tl.load(p_idx + o_col, mask=b_mine[:, None, None] & (o_col < W), other=-1)
+            for c in range(0, W, STEP):
+                b_t = b_t_next
+                o_next = c + STEP + o_col
+                b_t_next = tl.load(p_idx + o_next, mask=b_mine[:, None, None] & (o_next < W), other=-1)
                 b_lb = b_t // BLOCK_SIZE
-                m_t = m_t & (b_t >= 0) & (b_t < seq_len) & (b_t <= b_pos[:, None, None]) & (b_lb < max_blocks)
+                m_t = (b_t >= 0) & (b_t < seq_len) & (b_t <= b_pos[:, None, None]) & (b_lb < max_blocks)
                 b_phys = tl.load(p_bt + b_lb, mask=m_t, other=-1)
                 m_t = m_t & (b_phys >= 0) & (b_phys < num_blocks)
-                b_x = b_t >> 2
-                b_bit = tl.where(m_t, 1 << (b_t & 3), 0) << (8 * (o_q[:, None, None] & 3))
-                b_word = 2 * b_x + (o_q[:, None, None] >> 2)
-                # A quad whose kept tokens share one microblock takes one atomic with their OR.
-                q_lo = tl.min(tl.where(m_t, b_x, XCAP), 2)
-                q_hi = tl.max(tl.where(m_t, b_x, -1), 2)
-                m_one = q_lo == q_hi
-                q_bits = tl.reduce(b_bit, 2, _or)
-                tl.atomic_or(p_bits + 2 * q_lo + (o_q[:, None] >> 2), q_bits, mask=m_one, sem="relaxed")
+                q_word, q_bits, m_one, b_word, b_bit, q_lo, q_hi = _quad_bits(
+                    b_t, m_t, o_q[:, None, None], LAYOUT, XCAP)
+                tl.atomic_or(p_bits + q_word, q_bits, mask=m_one, sem="relaxed")
                 tl.atomic_or(p_bits + b_word, b_bit, mask=m_t & ~m_one[:, :, None], sem="relaxed")
                 x_lo = tl.minimum(x_lo, tl.min(tl.min(q_lo, 1), 0))
                 x_hi = tl.maximum(x_hi, tl.max(tl.max(q_hi, 1), 0))
             tl.debug_barrier()
 
-            # Phase 2: emit the nonzero words in ascending logical order; leave them zero.
-            for s in range(x_lo, x_hi + 1, SCAN):
-                o_x = s + o_s
-                m_x = o_x <= x_hi
-                b_v = tl.load(p_bits64 + o_x, mask=m_x, other=0, cache_modifier=".cg")
-                m_live = b_v != 0
-                b_slot = count + tl.cumsum(m_live.to(tl.int32), 0) - 1
-                b_page = tl.load(p_bt + o_x // PER_BLOCK, mask=m_live, other=0)
-                tl.store(p_gids + b_slot, b_page * PER_BLOCK + o_x % PER_BLOCK, mask=m_live)
-                tl.store(p_gmasks + b_slot, _nibbles_of_bytes(b_v), mask=m_live)
-                tl.store(p_bits64 + o_x, tl.zeros([SCAN], tl.int64), mask=m_live)
-                count += tl.sum(m_live.to(tl.int32), 0)
+            # Phase 2: emit the nonzero microblocks in ascending logical order; leave the scratch zero.
+            if LAYOUT == LAYOUT_NIBBLES:
+                o_s = tl.arange(0, SCAN)
+                for s in range(x_lo, x_hi + 1, SCAN):
+                    o_x = s + o_s
+                    b_v = tl.load(p_bits + o_x, mask=o_x <= x_hi, other=0, cache_modifier=".cg")
+                    m_live = b_v != 0
+                    b_slot = count + tl.cumsum(m_live.to(tl.int32), 0) - 1
+                    b_page = tl.load(p_bt + o_x // PER_BLOCK, mask=m_live, other=0)
+                    tl.store(p_gids + b_slot, b_page * PER_BLOCK + o_x % PER_BLOCK, mask=m_live)
+                    tl.store(p_gmasks + b_slot, b_v, mask=m_live)
+                    tl.store(p_bits + o_x, tl.zeros([SCAN], tl.int32), mask=m_live)
+                    count += tl.sum(m_live.to(tl.int32), 0)
+            else:
+                o_w = tl.arange(0, SCAN_W)
+                o_j = tl.arange(0, 8)
+                m_rows = o_q[:, None] < GROUP_ROWS
+                for s in range(x_lo // 8, x_hi // 8 + 1, SCAN_W):
+                    p_words = p_bits + o_q[:, None] * (XCAP // 8) + s + o_w[None, :]  # [BLOCK_Q, SCAN_W]
+                    b_words = tl.load(p_words, mask=m_rows & (s + o_w[None, :] <= x_hi // 8), other=0,
+                                      cache_modifier=".cg")
+                    b_nib = (b_words[:, :, None] >> (4 * o_j[None, None, :])) & 0xF
+                    b_v = tl.reduce(b_nib << (4 * o_q[:, None, None]), 0, _or)  # [SCAN_W, 8]
+                    m_live = b_v != 0
+                    b_n = tl.sum(m_live.to(tl.int32), 1)
+                    b_slot = (count + tl.cumsum(b_n, 0) - b_n)[:, None] + tl.cumsum(m_live.to(tl.int32), 1) - 1
+                    o_x = (s + o_w[:, None]) * 8 + o_j[None, :]
+                    b_page = tl.load(p_bt + o_x // PER_BLOCK, mask=m_live, other=0)
+                    tl.store(p_gids + b_slot, b_page * PER_BLOCK + o_x % PER_BLOCK, mask=m_live)
+                    tl.store(p_gmasks + b_slot, b_v, mask=m_live)
+                    tl.store(p_words, tl.zeros([BLOCK_Q, SCAN_W], tl.int32), mask=b_words != 0)
+                    count += tl.sum(b_n, 0)
             tl.debug_barrier()
 
         tl.store(g_counts_ptr + g, count)
