@@ -127,15 +127,31 @@ class PlannerConfig:
             bitmap per group row, 8 microblocks per int32: the rows' atomics never share a word).
     """
 
-    quads: int = 64
-    scan: int = 2048
-    num_warps: int = 8
-    programs_per_sm: int = 4
+    quads: int = 32
+    scan: int = 1024
+    num_warps: int = 4
+    programs_per_sm: int = 8
     layout: str = "nibbles"
 
 
 PLANNER = PlannerConfig()
-"""The grouped planner's shipped launch settings."""
+"""The grouped planner's settings for many groups (a prefill chunk): small steps, many programs per SM.
+On the H200 (``benchmarks/tune.py``, 8192 rows x 2051 indices at 64K): 0.148 ms, against 0.174 ms
+for ``PLANNER_FEW`` and 0.25 ms for the slowest setting swept."""
+
+PLANNER_FEW = PlannerConfig(quads=64, scan=4096, num_warps=8, programs_per_sm=4)
+"""The grouped planner's settings for fewer groups than SMs (MTP, small batches), where one group's
+latency is the time: wide steps. One group of 8 rows x 2051 indices at 64K: 0.037 ms (0.057 ms with
+``PLANNER``)."""
+
+
+def planner_config(num_groups: int, device) -> PlannerConfig:
+    """The shipped grouped-planner settings for ``num_groups`` groups on ``device``."""
+    from .utils import device_facts
+
+    facts = device_facts(str(torch.device(device)))
+    few = facts["kind"] == "cuda" and num_groups < facts["sm_count"]
+    return PLANNER_FEW if few else PLANNER
 
 PLANNER_SCRATCH_BYTES = 256 << 20
 """The grouped planner's scratch stays under this size (fewer programs for very long contexts)."""
@@ -164,8 +180,10 @@ class PlanWorkspace:
 
     @classmethod
     def for_plan(cls, block_table: torch.Tensor, *, block_size: int, num_groups: int,
-                 config: PlannerConfig = PLANNER) -> "PlanWorkspace":
-        """The workspace :func:`plan_groups` allocates for this table and number of groups."""
+                 config: PlannerConfig | None = None) -> "PlanWorkspace":
+        """The workspace :func:`plan_groups` allocates for this table and number of groups (``config``:
+        default :func:`planner_config`)."""
+        config = config or planner_config(num_groups, block_table.device)
         microblocks = block_table.shape[1] * (block_size // 4)
         return cls.allocate(microblocks=microblocks, device=block_table.device,
                             programs=planner_programs(num_groups, block_table.device, microblocks=microblocks,
@@ -263,7 +281,7 @@ def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *,
 
 def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int, num_blocks: int,
                 group_rows: int = 8, num_rows: int | None = None, out: GroupedPlan | None = None,
-                workspace: PlanWorkspace | None = None, config: PlannerConfig = PLANNER) -> GroupedPlan:
+                workspace: PlanWorkspace | None = None, config: PlannerConfig | None = None) -> GroupedPlan:
     """Build the grouped plan of rows ``[0, num_rows)`` straight from the planner inputs.
 
     Args:
@@ -273,7 +291,7 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
         num_rows: rows to group (default: all rows).
         out: optional plan whose buffers are reused.
         workspace: optional planner scratch (:meth:`PlanWorkspace.for_plan`); allocated when omitted.
-        config: launch settings.
+        config: launch settings (default :func:`planner_config`).
 
     Returns:
         GroupedPlan with ``ceil(num_rows / group_rows)`` groups.
@@ -306,6 +324,7 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
     out.block_size, out.num_blocks = block_size, num_blocks
     if num_groups == 0:
         return out
+    config = config or planner_config(num_groups, device)
     if workspace is None:
         workspace = PlanWorkspace.for_plan(block_table, block_size=block_size, num_groups=num_groups, config=config)
     elif workspace.microblocks < microblocks or workspace.bits.device != device:
