@@ -39,6 +39,20 @@ def _median_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def _profile(fn) -> None:
+    """Print the CUDA kernels of one eager call of ``fn``, longest first."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    key = "self_device_time_total" if hasattr(events[0], "self_device_time_total") else "self_cuda_time_total"
+    print(events.table(sort_by=key, row_limit=15), flush=True)
+
+
 def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
     from qsa.cache import BlockAllocator
     from qsa.layer import QSAAttention, QSAConfig, StepMetadata
@@ -108,6 +122,10 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
         graph.replay()
         decode_graph_ms = _median_ms(graph.replay, args.reps)
         say(f"decode graph {decode_graph_ms:.3f} ms")
+        if args.profile and world == 1:  # alone: a profiled call on one rank would wait for the others
+            _profile(lambda: layer(dx, dmeta, cache))
+        del graph  # a captured NCCL call holds the communicator: release it before the group goes
+        torch.cuda.synchronize()
 
     if rank == 0:
         with open(out_path, "w") as f:
@@ -126,6 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--chunk", type=int, default=2048, help="rows of the timed prefill step")
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--profile", action="store_true", help="print the kernels of one eager decode step (rank 0)")
     p.add_argument("--watchdog", type=float, default=240, help="seconds before a rank dumps its stack and exits")
     p.add_argument("--json", default=None, help="also write the rows (with device and settings) to this file")
     args = p.parse_args(argv)
