@@ -290,6 +290,16 @@ def test_block_scores_exact_inputs(device, dtype):
     assert torch.equal(got, want)
 
 
+def test_scores_cut_over_column_programs(device, monkeypatch):
+    """Columns cut over several programs (as for few rows on a GPU): the same scores and selection."""
+    cut = dict(BLOCK_R=16, BLOCK_N=16, n_per_prog=16, num_warps=4, num_stages=1)
+    monkeypatch.setattr(ix, "_score_config", lambda n_cols, dtype: dict(cut))
+    args = _stage_inputs(torch.bfloat16, device=device, seed=5)
+    assert args[2].shape[1] * args[1].shape[1] > 16
+    assert torch.equal(ix.block_scores(*args), ref.block_scores_reference(*args))
+    assert torch.equal(ix.select_tokens(*args, k=3).cpu(), ref.select_tokens_reference(*args, k=3).cpu())
+
+
 @pytest.mark.parametrize("H", [1, 3])
 def test_block_scores_head_counts(device, H):
     args = _stage_inputs(torch.bfloat16, H=H, D=64, block_size=8, device=device)
