@@ -70,6 +70,7 @@ def main(argv=None) -> int:
     dev = torch.device("cpu" if args.smoke else "cuda")
     grouped_settings = GROUPED[:2] if args.smoke else GROUPED
     split_settings = SPLIT[:2] if args.smoke else SPLIT
+    planner_settings = (PLANNER[0], PLANNER[-1]) if args.smoke else PLANNER
     timer = Timer(dev, TimingConfig(budget_s=0.15, min_reps=5, max_reps=50))
     records = []
 
@@ -90,7 +91,7 @@ def main(argv=None) -> int:
     for scn in workloads(args.smoke):
         if args.only and not any(s in scn.name for s in args.only):
             continue
-        sweep(scn, dev, record, grouped_settings, split_settings, args.planner_only)
+        sweep(scn, dev, record, grouped_settings, split_settings, args.planner_only, planner_settings)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -101,7 +102,8 @@ def main(argv=None) -> int:
     return 0
 
 
-def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_only: bool = False) -> None:
+def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_only: bool = False,
+          planner_settings=PLANNER) -> None:
     """Every setting of one workload: planners, grouped, xqa and splitk, each checked then timed."""
     t0 = time.time()
     w = attention_workload(scn, dev)
@@ -128,7 +130,7 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
         ws = PlanWorkspace.for_plan(w.block_table, block_size=c.block_size, num_groups=rows // 8)
         grouped = plan_groups(**inputs, workspace=ws)
         record(scn.name, "plan-grouped", "-", lambda: plan_groups(**inputs, out=grouped, workspace=ws))
-        for setting in PLANNER:
+        for setting in planner_settings:
             cfg_p = PlannerConfig(*setting)
             ws_p = PlanWorkspace.for_plan(w.block_table, block_size=c.block_size, num_groups=rows // 8,
                                           config=cfg_p)

@@ -341,3 +341,18 @@ def test_end_to_end_tiny_run(tmp_path, capsys):
     assert "tiny-selection" in text and "target" in text
     assert not any(isinstance(v, float) and (math.isnan(v) or math.isinf(v))
                    for r in recs for v in r.values())
+
+
+def test_tune_smoke_checks_and_times_every_setting(tmp_path, monkeypatch):
+    """benchmarks.tune under the interpreter: every planner and kernel setting is checked (planner
+    settings against the default plan, kernels against the fp32 reference) and timed."""
+    from benchmarks import tune
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tune.main(["--smoke", "--out", str(tmp_path)]) == 0
+    records = json.load(open(tmp_path / "tune.json"))["records"]
+    assert records and all(r["error"] is None and r["median_ms"] > 0 for r in records), records
+    whats = {r["what"] for r in records}
+    assert {"plan-single", "plan-grouped", "grouped-attn", "xqa-attn", "splitk-attn"} <= whats
+    layouts = {r["setting"][-1] for r in records if r["what"] == "plan-grouped" and r["setting"] != "-"}
+    assert layouts == {"nibbles", "rows"}
