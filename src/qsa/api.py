@@ -26,7 +26,7 @@ class AttentionPlan:
     Attributes:
         routes: which rows take which kernel (:class:`qsa.routes.RoutePlan`).
         single: single-row page4 plan of rows ``[routes.grouped_rows, rows)`` (grouped/xqa routes; the
-            lists of grouped rows are not built), else None.
+            lists of grouped rows are not built), None when no row is left to it.
         grouped: grouped page4 plan of rows ``[0, routes.grouped_rows)``, else None.
         tokens: ``[rows, W]`` int32 distinct kept tokens per row (splitk route), else None.
         token_counts: ``[rows]`` int32 (splitk route), else None.
@@ -87,9 +87,10 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
                                   workspace=workspace)
             if order == "physical":
                 grouped = physical_order(grouped)
-        single = plan_single_rows(indices, block_table, token_to_req, positions, seq_lens,
-                                  block_size=block_size, num_blocks=num_blocks,
-                                  out=out.single if out is not None else None, row_start=choice.grouped_rows)
+        if choice.grouped_rows < indices.shape[0]:
+            single = plan_single_rows(indices, block_table, token_to_req, positions, seq_lens,
+                                      block_size=block_size, num_blocks=num_blocks,
+                                      out=out.single if out is not None else None, row_start=choice.grouped_rows)
     elif choice.route == "splitk":
         tokens, counts = token_lists(indices, block_table, token_to_req, positions, seq_lens,
                                      block_size=block_size, num_blocks=num_blocks)
@@ -185,7 +186,8 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
     else:
         if plan.grouped is not None:
             attention.grouped_attention(q, k_cache, v_cache, plan.grouped, **kw)
-        attention.xqa_attention(q, k_cache, v_cache, plan.single, row_start=choice.grouped_rows, **kw)
+        if plan.single is not None:
+            attention.xqa_attention(q, k_cache, v_cache, plan.single, row_start=choice.grouped_rows, **kw)
     return (out, lse) if return_lse else out
 
 
