@@ -4,7 +4,6 @@ import triton
 import triton.language as tl
 
 INT32_MAX = tl.constexpr(2**31 - 1)
-EMPTY = tl.constexpr(-1)
 
 
 @triton.jit
