@@ -1,4 +1,4 @@
-"""Step time of one QSA layer at TP1 and TP2 (NCCL) on the GPU: a prefill chunk and a decode batch.
+"""Step time of one QSA layer at TP1, TP2 and TP4 (NCCL on GPUs): a prefill chunk and a decode batch.
 
 Every rank builds the reference-shape layer (24/2 heads of 256, index 4 x 128, top-512) with its head
 shard, fills a paged context for ``--requests`` requests of ``--context`` tokens (untimed), then times

@@ -87,6 +87,7 @@ def check_grouped_kernel(act, cache, G):
     _, usage = compile_sm90(
         grouped_attention_kernel, ptrs,
         dict(G=G, GROUP_ROWS=8, ROWS_PER_PROG=cfg.rows_per_prog, BLOCK_M=cfg.block_m, MB=cfg.mb, NUM_SPLITS=1,
+             PREFETCH=cfg.prefetch,
              KV_FP8=cache == "u8", DOT_DTYPE=ACT[act], **FLAGS),
         floats=("qk_scale", "v_scale"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     assert usage["mma"] == "wgmma", usage

@@ -48,10 +48,13 @@ def test_splitk_takes_any_group_size():
     check_route(case, "splitk")
 
 
-@pytest.mark.parametrize("route", ["grouped", "xqa", "splitk"])
+@pytest.mark.parametrize("route", ["grouped", "grouped-prefetch", "xqa", "splitk"])
 def test_split_lists_merge_in_order(route, monkeypatch):
     """Long lists cut into splits at fixed positions and merged in order: still exact, and bitwise
-    stable under relocation."""
+    stable under relocation (grouped also with the plan entries loaded a tile ahead, which must give
+    the same bits as loading them in their own iteration)."""
+    prefetch = route == "grouped-prefetch"
+    route = route.replace("-prefetch", "")
     case = make_attention_case(rows=11, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16,
                                block_size=16, width=200, max_seq_len=400, messy=False, seed=4)
     monkeypatch.setattr(qsa.routes, "split_count", lambda programs, max_tiles, per_sm, device: 3)
@@ -59,11 +62,15 @@ def test_split_lists_merge_in_order(route, monkeypatch):
     monkeypatch.setattr(qsa.routes, "xqa_config", lambda G, D: small)
     monkeypatch.setattr(qsa.routes, "splitk_config", lambda G, D: small)
     monkeypatch.setattr(qsa.routes, "grouped_config", lambda G, D: qsa.routes.GroupedConfig(
-        rows_per_prog=8, block_m=16, mb=4, num_warps=4, num_stages=2))
+        rows_per_prog=8, block_m=16, mb=4, num_warps=4, num_stages=2, prefetch=prefetch))
     check_route(case, route)
     base = _run(case, route)
     mapping = random_mapping(case.cache.num_blocks, generator=torch.Generator().manual_seed(5))
     _assert_bitwise(base, _run(case.relocated(mapping), route), "relocation with splits")
+    if prefetch:
+        monkeypatch.setattr(qsa.routes, "grouped_config", lambda G, D: qsa.routes.GroupedConfig(
+            rows_per_prog=8, block_m=16, mb=4, num_warps=4, num_stages=2))
+        _assert_bitwise(base, _run(case, route), "prefetch vs no prefetch")
 
 
 def test_scales_and_softmax_scale():

@@ -356,3 +356,14 @@ def test_tune_smoke_checks_and_times_every_setting(tmp_path, monkeypatch):
     assert {"plan-single", "plan-grouped", "grouped-attn", "xqa-attn", "splitk-attn"} <= whats
     layouts = {r["setting"][-1] for r in records if r["what"] == "plan-grouped" and r["setting"] != "-"}
     assert layouts == {"nibbles", "rows"}
+
+
+def test_ncu_probe_runs_a_scenario(capsys):
+    """The profiler driver plans and runs a scenario end to end (tiny shape, interpreter) and refuses a
+    selection scenario."""
+    from benchmarks import ncu_probe
+
+    assert ncu_probe.main(["tiny-prefill", "--device", "cpu", "--calls", "1"]) == 0
+    assert "finite True" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        ncu_probe.main(["tiny-selection", "--device", "cpu"])

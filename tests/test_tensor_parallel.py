@@ -1,5 +1,6 @@
 """Tensor parallelism: the layer with its heads sharded over 2 and 4 processes (gloo on the CPU, NCCL on
-two GPUs) against the same layer at TP1.
+2 and 4 GPUs) against the same layer at TP1; on the GPUs also the tiny model, and every rank's outputs
+under moved pages.
 
 Per-rank shapes at the reference head counts (24 query heads, 2 KV heads): TP2 12/1, TP4 6/1 with
 each KV head replicated on two ranks. The selection is computed on every rank and must be identical
@@ -14,8 +15,9 @@ import torch
 import torch.multiprocessing as mp
 
 from qsa.layer import QSAAttention, QSAConfig, layer_reference
+from qsa.model import TinyConfig, TinyQSAModel
 from qsa.reference import rounding_floor
-from qsa.serving import run_layer
+from qsa.serving import Engine, ServingConfig, run_layer
 from qsa.tp import TPInfo, all_reduce, destroy, free_port, init_local_group, shard_heads
 
 CFG = QSAConfig(hidden_size=64, num_heads=24, num_kv_heads=2, head_dim=16, rotary_dim=8, index_heads=4,
@@ -123,10 +125,99 @@ def test_tensor_parallel_check_rejects_a_missing_all_reduce():
         check_tp([dict(good, out=partial)] * 2, 2)
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_tensor_parallel_two_gpus_nccl(tmp_path):
-    """TP2 over NCCL on two GPUs with the Triton routes, against TP1 on GPU 0."""
+MODEL = TinyConfig(vocab_size=128, num_layers=2, attn=CFG)
+PROMPTS = [[(7 * i + 3) % 128 for i in range(n)] for n in (26, 15)]
+NEW_TOKENS = 4
+
+
+def _serve(model, allocator_seed, num_blocks):
+    cfg = ServingConfig(num_blocks=num_blocks, block_size=8, max_reqs=2, max_blocks_per_req=4, chunk_size=12,
+                        allocator_seed=allocator_seed)
+    return Engine(model, cfg).generate(PROMPTS, NEW_TOKENS)
+
+
+# (allocator seed, pool size): the first is the placement compared with TP1, the others move the pages
+PLACEMENTS = ((0, 12), (5, 12), (11, 40))
+
+
+def _gpu_worker(rank, world, port, out_dir):
+    """One NCCL rank: the layer (Triton routes) and the tiny model, each under three page placements."""
+    tp = init_local_group(rank, world, port, backend="nccl")
+    device = f"cuda:{rank}"
+    layer = QSAAttention(CFG, tp=tp, seed=SEED, device=device)
     run_kw = dict(RUN, route="auto")
-    results = run_tp(2, tmp_path, backend="nccl", run_kw=run_kw)
-    check_tp(results, 2, run_kw=run_kw, device="cuda:0")
+    layer_runs = []
+    for seed, extra in ((0, 0), (5, 0), (11, 30)):
+        nb = sum(-(-L // RUN["block_size"]) for L in LENS) + 4 + extra
+        out, steps, _ = run_layer(layer, _inputs(device), **run_kw, allocator_seed=seed, num_blocks=nb,
+                                  capture=True)
+        layer_runs.append((out.cpu(), [s["indices"].cpu() for s in steps]))
+    model = TinyQSAModel(MODEL, tp=tp, device=device)
+    model_runs = [_serve(model, seed, nb) for seed, nb in PLACEMENTS]
+    out, indices = layer_runs[0]
+    torch.save({"out": out, "indices": indices,
+                "shape": (layer.num_q_heads, layer.num_kv_heads, tuple(layer.k_proj.shape)),
+                "layer_stable": all(torch.equal(o.view(torch.int16), out.view(torch.int16))
+                                    and all(torch.equal(a, b) for a, b in zip(i, indices))
+                                    for o, i in layer_runs[1:]),
+                "logits": model_runs[0].logits, "tokens": model_runs[0].tokens,
+                "model_stable": all(torch.equal(r.logits, model_runs[0].logits) and r.tokens == model_runs[0].tokens
+                                    for r in model_runs[1:])},
+               os.path.join(out_dir, f"rank{rank}.pt"))
+    destroy()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_tensor_parallel_gpus_nccl(tmp_path, world):
+    """TP2 and TP4 over NCCL with the Triton routes: the layer against TP1 on GPU 0 and fp64, the tiny
+    model's logits against TP1, and on every rank bitwise equal outputs under three page placements."""
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} GPUs")
+    mp.spawn(_gpu_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
+    results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    for r, res in enumerate(results):
+        assert res["layer_stable"], f"rank {r}: the layer's output moved with the pages"
+        assert res["model_stable"], f"rank {r}: the model's logits moved with the pages"
+        assert torch.equal(res["logits"], results[0]["logits"]), f"rank {r} disagrees with rank 0"
+    check_tp(results, world, run_kw=dict(RUN, route="auto"), device="cuda:0")
+    ref = _serve(TinyQSAModel(MODEL, device="cuda:0"), *PLACEMENTS[0])
+    compare_generations(results[0]["tokens"], results[0]["logits"], ref.tokens, ref.logits, f"TP{world}")
+
+
+def compare_generations(tokens, logits, ref_tokens, ref_logits, what, rel_tol=0.02):
+    """Greedy generations of the two prompts against TP1's: while a request's tokens agree, its logits
+    must agree within ``rel_tol`` of their scale; where a token first differs, TP1's own logits must
+    call it a near tie (the two tokens within twice that tolerance); later positions are not compared."""
+    n = len(PROMPTS)
+    assert logits.shape == ref_logits.shape == (n * NEW_TOKENS, MODEL.vocab_size)
+    assert torch.isfinite(logits).all()
+    tol = rel_tol * float(ref_logits.abs().max())
+    for r in range(n):
+        for j in range(NEW_TOKENS):
+            row = j * n + r  # emission order: first tokens in prompt order (both end in the last chunks), then decode steps
+            diff = float((logits[row] - ref_logits[row]).abs().max())
+            assert diff <= tol, f"{what} request {r} token {j}: logits differ by {diff:.3e} > {tol:.3e}"
+            a, b = tokens[r][j], ref_tokens[r][j]
+            if a != b:
+                gap = float(ref_logits[row, b] - ref_logits[row, a])
+                assert gap <= 2 * tol, f"{what} request {r} token {j}: {a} vs TP1's {b}, not a near tie ({gap:.3e})"
+                break
+
+
+def test_compare_generations_rejects_wrong_logits():
+    """The TP-vs-TP1 generation check passes a near tie and rejects shifted logits and a clear flip."""
+    g = torch.Generator().manual_seed(0)
+    ref = torch.randn(len(PROMPTS) * NEW_TOKENS, MODEL.vocab_size, generator=g) * 4
+    toks = [[int(ref[j * 2 + r].argmax()) for j in range(NEW_TOKENS)] for r in range(2)]
+    compare_generations(toks, ref.clone(), toks, ref, "same")
+    tie = ref.clone()
+    second = int(tie[1].topk(2).indices[1])
+    tie[1, second] = tie[1, toks[1][0]] - 1e-3  # request 1's first token: a near tie
+    flipped = [toks[0], [second] + toks[1][1:]]
+    compare_generations(flipped, tie, toks, tie, "tie")
+    with pytest.raises(AssertionError, match="logits differ"):
+        compare_generations(toks, ref + 0.5, toks, ref, "shifted")
+    far = [toks[0], [int(ref[1].argmin())] + toks[1][1:]]
+    with pytest.raises(AssertionError, match="not a near tie"):
+        compare_generations(far, ref.clone(), toks, ref, "flip")

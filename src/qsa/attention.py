@@ -60,7 +60,7 @@ def grouped_attention(q, k, v, plan: GroupedPlan, *, out, lse, gate, softmax_sca
         plan.num_rows, hq, qk_scale_log2(softmax_scale, k_scale), float(v_scale),
         stride_plan=plan.mb_ids.stride(0), **strides,
         G=G, GROUP_ROWS=plan.group_rows, ROWS_PER_PROG=cfg.rows_per_prog, BLOCK_M=cfg.block_m,
-        MB=cfg.mb, NUM_SPLITS=splits, HEAD_DIM=d, BLOCK_SIZE=plan.block_size, KV_FP8=kv_fp8,
+        MB=cfg.mb, NUM_SPLITS=splits, PREFETCH=cfg.prefetch, HEAD_DIM=d, BLOCK_SIZE=plan.block_size, KV_FP8=kv_fp8,
         DOT_DTYPE=_dot_dtype(q), HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

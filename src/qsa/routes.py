@@ -47,6 +47,7 @@ class GroupedConfig:
     num_warps: int
     num_stages: int
     programs_per_sm: int = 2  # split each group's list when there are fewer programs than this
+    prefetch: bool = False  # load each tile's plan entries one iteration ahead (deeper K/V pipeline)
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,20 @@ class RoutePlan:
 
 
 def grouped_config(G: int, head_dim: int) -> GroupedConfig:
-    """Tuned defaults per shape (see docs/perf-notes.md)."""
+    """Tuned defaults per shape (see docs/perf-notes.md).
+
+    head_dim 256: up to 8 heads per KV head, 8 rows fill a 64-row tile (4 warps, two programs per SM;
+    0.82 ms for prefill-64k at overlap 0.98 on the H200). More heads (12/1, 24/2) take 128-row tiles
+    on 8 warps with the plan-entry prefetch, which keeps 8 (12/1) or 4 (24/2) rows per program:
+    0.51 and 1.01 ms against 1.05 and 2.06 ms with 64-row tiles (prefill-8k, overlap 0.8,
+    benchmarks/results/tune-2026-11-29-1936-nvidia-h200.json).
+    """
+    if head_dim == 256 and GROUP_ROWS * G > 64:
+        rows = GROUP_ROWS
+        while rows > 1 and rows * G > MAX_TILE_ROWS:
+            rows //= 2
+        return GroupedConfig(rows_per_prog=rows, block_m=max(16, next_pow2(rows * G)), mb=8, num_warps=8,
+                             num_stages=3, prefetch=True)
     tile_rows = 64 if head_dim == 256 else MAX_TILE_ROWS
     rows = GROUP_ROWS
     while rows > 1 and rows * G > tile_rows:

@@ -44,6 +44,7 @@ def grouped_attention_kernel(
     BLOCK_M: tl.constexpr,  # power of two >= ROWS_PER_PROG * G
     MB: tl.constexpr,  # microblocks per tile (tile = 4 * MB tokens)
     NUM_SPLITS: tl.constexpr,  # each group's tiles are cut into this many near-equal runs
+    PREFETCH: tl.constexpr,  # load the next tile's plan entries one iteration ahead
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
     KV_FP8: tl.constexpr,
@@ -82,12 +83,25 @@ def grouped_attention_kernel(
     b_l = tl.zeros([BLOCK_M], tl.float32)
     b_acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     tile_start, tile_end = split_range(tl.cdiv(count, MB), i_split, NUM_SPLITS)
+    if PREFETCH:
+        # Each tile's plan entries are loaded one iteration ahead, so the K/V loads do not wait on a
+        # load of their own iteration and the compiler issues them num_stages - 1 tiles ahead (with
+        # num_stages K/V buffers: more shared memory, fewer programs per SM).
+        o_e = tile_start * MB + o_n // 4
+        b_id_next = tl.load(p_ids + o_e, mask=o_e < count, other=0)
+        b_gm_next = tl.load(p_masks + o_e, mask=o_e < count, other=0)
     for i_t in range(tile_start, tile_end):
         # Fixed tile boundaries: tile i_t is plan entries [i_t * MB, (i_t + 1) * MB).
         o_e = i_t * MB + o_n // 4
         m_n = o_e < count
-        b_id = tl.load(p_ids + o_e, mask=m_n, other=0)
-        b_gm = tl.load(p_masks + o_e, mask=m_n, other=0)
+        if PREFETCH:
+            b_id = b_id_next
+            b_gm = b_gm_next
+            b_id_next = tl.load(p_ids + o_e + MB, mask=o_e + MB < count, other=0)
+            b_gm_next = tl.load(p_masks + o_e + MB, mask=o_e + MB < count, other=0)
+        else:
+            b_id = tl.load(p_ids + o_e, mask=m_n, other=0)
+            b_gm = tl.load(p_masks + o_e, mask=m_n, other=0)
         o_tok = (b_id // MB_PER_BLOCK).to(tl.int64) * stride_k_block \
             + ((b_id % MB_PER_BLOCK) * 4 + o_slot) * stride_k_tok + i_kvh * stride_k_head
         o_vtok = (b_id // MB_PER_BLOCK).to(tl.int64) * stride_v_block \
