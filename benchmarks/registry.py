@@ -108,8 +108,10 @@ def _mtp(rows, *, quick=False):
 
 
 def _decode(rows, *, suffix="", quick=False, **kw):
+    # grouped too from 16 rows: one row per request, so a group's 8 rows share no microblock
+    routes = ("grouped", "xqa", "splitk", "naive") if rows >= 16 else ("xqa", "splitk", "naive")
     return Scenario(name=f"decode-{rows}{suffix}", rows=rows, context=64 * K, num_reqs=rows, overlap=None,
-                    routes=("xqa", "splitk", "naive"), quick=quick, **kw)
+                    routes=routes, quick=quick, **kw)
 
 
 def _selection(rows, context, *, quick=False):

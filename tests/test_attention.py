@@ -241,3 +241,31 @@ def test_self_aliasing_request_counts_both_copies(route):
     both = [(case.indices[r] // 8 == 0).any() & (case.indices[r] // 8 == 1).any() for r in rows0.tolist()]
     assert any(both), "some row of request 0 must select tokens of both aliased blocks"
     check_route(case, route)
+
+
+def test_auto_sends_a_decode_batch_to_xqa():
+    """One row per request (max_query_len=1): auto plans no groups, even at 64+ rows, and computes the
+    same output as without the hint; the layer's step metadata derives the hint from its rows."""
+    case = make_attention_case(rows=64, num_reqs=64, num_q_heads=2, num_kv_heads=1, head_dim=16, width=12,
+                               seed=6)
+    kw = dict(block_size=16, num_blocks=case.cache.num_blocks, num_q_heads=2, num_kv_heads=1, head_dim=16)
+    args = (case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens)
+    plain = qsa.plan_attention(*args, **kw)
+    decode = qsa.plan_attention(*args, **kw, max_query_len=1)
+    assert plain.routes.grouped_rows == 64 and plain.grouped is not None
+    assert (decode.routes.route, decode.routes.grouped_rows, decode.grouped) == ("xqa", 0, None)
+    assert qsa.plan_attention(*args, **kw, max_query_len=2).routes.grouped_rows == 64
+    check_route(case, "xqa")
+    nan = torch.full_like(case.q, float("nan"))
+    auto = case.run(qsa.sparse_paged_attention, route="auto", max_query_len=1, out=nan, return_lse=True)
+    _assert_bitwise(auto, _run(case, "xqa"), "auto with max_query_len=1 vs xqa")
+    for bad in (0, 1.0, True):
+        with pytest.raises(ValueError, match="max_query_len"):
+            qsa.plan_attention(*args, **kw, max_query_len=bad)
+    from qsa.layer import StepMetadata
+    meta = StepMetadata.build([0, 1, 2, -1], [5, 6, 7, -1], [8, 8, 8], [[0], [1], [2]], [-1] * 4,
+                              block_size=16, device="cpu")
+    assert meta.max_query_len == 1
+    meta = StepMetadata.build(torch.tensor([0, 0, 1]), [4, 5, 7], [8, 8], [[0], [1]], [-1] * 3,
+                              block_size=16, device="cpu")
+    assert meta.max_query_len == 2

@@ -55,7 +55,8 @@ class AttentionPlan:
 def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int,
                    num_blocks: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                    route: str = "auto", out: AttentionPlan | None = None,
-                   workspace: PlanWorkspace | None = None, order: str = "logical") -> AttentionPlan:
+                   workspace: PlanWorkspace | None = None, order: str = "logical",
+                   max_query_len: int | None = None) -> AttentionPlan:
     """Choose routes and build their work lists for one batch of rows.
 
     Args:
@@ -69,6 +70,8 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
         workspace: grouped-planner scratch to reuse (:meth:`qsa.plan.PlanWorkspace.for_plan`).
         order: "logical" (the contract). "physical" sorts grouped entries by physical id, which makes
             outputs depend on page placement: a demonstration of why the order is logical.
+        max_query_len: the most rows any one request has in this batch, if known on the host (1: a
+            decode batch, which ``auto`` sends to xqa; see :func:`qsa.routes.choose`).
     """
     if order not in ("logical", "physical"):
         raise ValueError(f"order must be 'logical' or 'physical', got {order!r}")
@@ -77,7 +80,7 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
     check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                       num_blocks=num_blocks)
     choice = routes.choose(route, rows=indices.shape[0], G=num_q_heads // num_kv_heads, head_dim=head_dim,
-                           device=indices.device)
+                           device=indices.device, max_query_len=max_query_len)
     single = grouped = tokens = counts = None
     if choice.route in ("grouped", "xqa"):
         if choice.grouped_rows:
@@ -193,7 +196,8 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
 
 def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, *,
                            gate=None, kv_cache_dtype: str = "auto", k_scale=1.0, v_scale=1.0,
-                           softmax_scale=None, out=None, return_lse: bool = False, route: str = "auto"):
+                           softmax_scale=None, out=None, return_lse: bool = False, route: str = "auto",
+                           max_query_len: int | None = None):
     """Sparse attention of each row over its selected tokens of a paged KV cache.
 
     Row ``r`` attends the set ``T_r = {t in indices[r] : t >= 0, t < seq_lens[req], t <= positions[r],
@@ -219,6 +223,8 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
         out: optional ``[rows, Hq, D]`` output buffer.
         return_lse: also return the natural-log LSE ``[rows, Hq]`` fp32.
         route: "auto", "grouped", "xqa", "splitk" or "reference" (see :mod:`qsa.routes`).
+        max_query_len: the most rows any one request has here, if known on the host (1: decode;
+            ``auto`` then takes xqa). Changes only which kernel runs, never the token sets.
 
     Returns:
         ``out`` (q's dtype), or ``(out, lse)`` with ``return_lse``.
@@ -236,7 +242,7 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
             raise ValueError(f"{name} must be on {q.device}, got {t.device}")
     plan = plan_attention(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                           num_blocks=num_blocks, num_q_heads=q.shape[1], num_kv_heads=hkv,
-                          head_dim=q.shape[2], route=route)
+                          head_dim=q.shape[2], route=route, max_query_len=max_query_len)
     return run_attention(plan, q, k_cache, v_cache, gate=gate, kv_cache_dtype=kv_cache_dtype,
                          k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale, out=out,
                          return_lse=return_lse)

@@ -155,6 +155,8 @@ class StepMetadata:
         slot_mapping: ``[T]`` int64 cache slot of each row's new K/V (-1: not written).
         block_size: tokens per KV block.
         route: attention route for this step ("auto", "grouped", "xqa", "splitk", "reference").
+        max_query_len: the most rows of one request in this step (host int; 1 for a decode step, whose
+            auto route is then xqa, see :func:`qsa.routes.choose`).
         plan_order: "logical" (the contract) or "physical" (the demonstration of why it matters).
         backend: "triton" or "torch" for the selection and cache writes (:meth:`build` picks Triton
             wherever the route runs Triton kernels, see :func:`qsa.routes.kernel_backend`).
@@ -172,6 +174,7 @@ class StepMetadata:
     route: str = "auto"
     plan_order: str = "logical"
     backend: str = "triton"
+    max_query_len: int | None = None
     plan: object = field(default=None, repr=False)
     workspace: object = field(default=None, repr=False)
     attn_out: torch.Tensor | None = field(default=None, repr=False)
@@ -196,9 +199,15 @@ class StepMetadata:
             backend = routes.kernel_backend(route, device)
         elif backend not in routes.BACKENDS:
             raise ValueError(f"backend must be one of {routes.BACKENDS} or None, got {backend!r}")
-        return cls(as_tensor(token_to_req, torch.int32), as_tensor(positions, torch.int64),
+        t2r = as_tensor(token_to_req, torch.int32)
+        # rows per request from the host copy (a device tensor given here costs one sync, once per step)
+        reqs = t2r.cpu() if isinstance(token_to_req, torch.Tensor) else torch.tensor(token_to_req, dtype=torch.int32)
+        reqs = reqs[reqs >= 0]
+        max_query_len = int(torch.bincount(reqs.long()).max()) if reqs.numel() else None
+        return cls(t2r, as_tensor(positions, torch.int64),
                    as_tensor(seq_lens, torch.int32), as_tensor(block_table, torch.int32),
-                   as_tensor(slot_mapping, torch.int64), int(block_size), route, plan_order, backend)
+                   as_tensor(slot_mapping, torch.int64), int(block_size), route, plan_order, backend,
+                   max_query_len)
 
     @property
     def num_rows(self) -> int:
@@ -395,7 +404,8 @@ class QSAAttention(nn.Module):
                                    block_size=cache.block_size, num_blocks=cache.num_blocks,
                                    num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                                    head_dim=c.head_dim, route=meta.route, out=meta.plan,
-                                   workspace=self._workspace(meta, indices), order=meta.plan_order)
+                                   workspace=self._workspace(meta, indices), order=meta.plan_order,
+                                   max_query_len=meta.max_query_len)
         if meta.attn_out is None or meta.attn_out.shape != q.shape or meta.attn_out.dtype != q.dtype:
             meta.attn_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         return run_attention(meta.plan, q, cache.k, cache.v, gate=gate, out=meta.attn_out, **kw)
@@ -406,7 +416,8 @@ class QSAAttention(nn.Module):
             from .plan import PlanWorkspace
 
             choice = routes.choose(meta.route, rows=meta.num_rows, G=self.num_q_heads // self.num_kv_heads,
-                                   head_dim=self.config.head_dim, device=indices.device)
+                                   head_dim=self.config.head_dim, device=indices.device,
+                                   max_query_len=meta.max_query_len)
             if choice.route == "grouped" or choice.grouped_rows:
                 groups = -(-choice.grouped_rows // choice.group_rows)
                 meta.workspace = PlanWorkspace.for_plan(meta.block_table, block_size=meta.block_size,

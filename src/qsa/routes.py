@@ -8,8 +8,9 @@ Routes:
 * ``reference`` -- the pure PyTorch reference (CPU without the Triton interpreter, or on request).
 
 ``auto`` sends ``rows // GROUP_ROWS * GROUP_ROWS`` rows to ``grouped`` when there are at least
-``GROUPED_MIN_ROWS`` rows and the shape is supported, the remaining rows to ``xqa``, and falls back to
-``splitk`` for shapes the page4 routes do not take. The reason a route is refused is logged once.
+``GROUPED_MIN_ROWS`` rows, the shape is supported and the batch is not known to be pure decode (one row
+per request), the remaining rows to ``xqa``, and falls back to ``splitk`` for shapes the page4 routes
+do not take. The reason a route is refused is logged once.
 """
 
 from __future__ import annotations
@@ -148,11 +149,19 @@ def resolve_backend(backend: str | None, device) -> str:
     return backend
 
 
-def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device) -> RoutePlan:
+def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device,
+           max_query_len: int | None = None) -> RoutePlan:
     """Admission: map a requested route to the rows each kernel takes.
+
+    ``max_query_len`` is the most rows any one request has in the batch, when the caller knows it (a
+    host integer; serving engines track it). At 1, a pure decode batch, no two rows of a group share a
+    request, so grouping shares no K/V load and ``auto`` takes xqa.
 
     A forced route that cannot run raises ValueError; ``auto`` falls back and logs why once.
     """
+    if max_query_len is not None and (isinstance(max_query_len, bool) or not isinstance(max_query_len, int)
+                                      or max_query_len < 1):
+        raise ValueError(f"max_query_len must be None or an int >= 1, got {max_query_len!r}")
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     if route == "reference":
@@ -175,7 +184,7 @@ def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device
     if refusal is not None:
         log_once(f"qsa: page4 routes refused ({refusal}); using splitk")
         return RoutePlan("splitk", 0)
-    if rows < GROUPED_MIN_ROWS:
+    if rows < GROUPED_MIN_ROWS or max_query_len == 1:
         return RoutePlan("xqa", 0)
     return RoutePlan("grouped", rows // GROUP_ROWS * GROUP_ROWS)
 
