@@ -77,8 +77,8 @@ def grouped_config(G: int, head_dim: int) -> GroupedConfig:
     head_dim 256: up to 8 heads per KV head, 8 rows fill a 64-row tile (4 warps, two programs per SM;
     0.82 ms for prefill-64k at overlap 0.98 on the H200). More heads (12/1, 24/2) take 128-row tiles
     on 8 warps with the plan-entry prefetch, which keeps 8 (12/1) or 4 (24/2) rows per program:
-    0.51 and 1.01 ms against 1.05 and 2.06 ms with 64-row tiles (prefill-8k, overlap 0.8,
-    benchmarks/results/tune-2026-11-29-1936-nvidia-h200.json).
+    prefill-64k at overlap 0.8 went from 3.45 to 2.47 ms (12/1) and from 6.66 to 4.78 ms (24/2), planner
+    included (benchmarks/results/2026-11-29-1843 and -1937; sweep: tune-2026-11-29-1920).
     """
     if head_dim == 256 and GROUP_ROWS * G > 64:
         rows = GROUP_ROWS
