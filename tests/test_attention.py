@@ -262,6 +262,8 @@ def test_auto_sends_a_decode_batch_to_xqa():
     for bad in (0, 1.0, True):
         with pytest.raises(ValueError, match="max_query_len"):
             qsa.plan_attention(*args, **kw, max_query_len=bad)
+    mql = qsa.routes.max_query_len_of
+    assert (mql([3, 1, -1, 2]), mql(torch.tensor([0, 0, 5, -1, 0])), mql([-1, -1]), mql([])) == (1, 3, None, None)
     from qsa.layer import StepMetadata
     meta = StepMetadata.build([0, 1, 2, -1], [5, 6, 7, -1], [8, 8, 8], [[0], [1], [2]], [-1] * 4,
                               block_size=16, device="cpu")

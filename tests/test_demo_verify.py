@@ -91,8 +91,8 @@ def test_verify_save_load_and_exit_status(tmp_path, monkeypatch, capsys):
 
     real = verify._attend
 
-    def placement_dependent(step, kv, table, indices, route, order="logical"):
-        out, lse = real(step, kv, table, indices, route, order)
+    def placement_dependent(step, kv, table, indices, route, order="logical", max_query_len=None):
+        out, lse = real(step, kv, table, indices, route, order, max_query_len)
         return out + table[0, 0].to(out.dtype), lse
 
     monkeypatch.setattr(verify, "_attend", placement_dependent)

@@ -195,7 +195,8 @@ def compare_generations(tokens, logits, ref_tokens, ref_logits, what, rel_tol=0.
     tol = rel_tol * float(ref_logits.abs().max())
     for r in range(n):
         for j in range(NEW_TOKENS):
-            row = j * n + r  # emission order: first tokens in prompt order (both end in the last chunks), then decode steps
+            # emission order: first tokens in prompt order (both end in the last chunks), then decode steps
+            row = j * n + r
             diff = float((logits[row] - ref_logits[row]).abs().max())
             assert diff <= tol, f"{what} request {r} token {j}: logits differ by {diff:.3e} > {tol:.3e}"
             a, b = tokens[r][j], ref_tokens[r][j]

@@ -199,15 +199,10 @@ class StepMetadata:
             backend = routes.kernel_backend(route, device)
         elif backend not in routes.BACKENDS:
             raise ValueError(f"backend must be one of {routes.BACKENDS} or None, got {backend!r}")
-        t2r = as_tensor(token_to_req, torch.int32)
-        # rows per request from the host copy (a device tensor given here costs one sync, once per step)
-        reqs = t2r.cpu() if isinstance(token_to_req, torch.Tensor) else torch.tensor(token_to_req, dtype=torch.int32)
-        reqs = reqs[reqs >= 0]
-        max_query_len = int(torch.bincount(reqs.long()).max()) if reqs.numel() else None
-        return cls(t2r, as_tensor(positions, torch.int64),
+        return cls(as_tensor(token_to_req, torch.int32), as_tensor(positions, torch.int64),
                    as_tensor(seq_lens, torch.int32), as_tensor(block_table, torch.int32),
                    as_tensor(slot_mapping, torch.int64), int(block_size), route, plan_order, backend,
-                   max_query_len)
+                   routes.max_query_len_of(token_to_req))
 
     @property
     def num_rows(self) -> int:

@@ -149,6 +149,15 @@ def resolve_backend(backend: str | None, device) -> str:
     return backend
 
 
+def max_query_len_of(token_to_req) -> int | None:
+    """The most rows any one request has among ``token_to_req`` (padding rows, request < 0, not
+    counted; None when there are none). A device tensor is read back once (a host synchronisation), so
+    compute it where the batch is built, not inside a captured region."""
+    t = token_to_req.cpu() if isinstance(token_to_req, torch.Tensor) else torch.tensor(token_to_req)
+    t = t[t >= 0].long()
+    return int(torch.bincount(t).max()) if t.numel() else None
+
+
 def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device,
            max_query_len: int | None = None) -> RoutePlan:
     """Admission: map a requested route to the rows each kernel takes.

@@ -119,12 +119,14 @@ def _select(step: StepInputs, kc, table, backend: str, rows=None):
     return ops.select_tokens(iq, kc, table, t2r, pos, step.seq_lens, k=step.index_topk, backend=backend)
 
 
-def _attend(step: StepInputs, kv, table, indices, route: str, order: str = "logical"):
+def _attend(step: StepInputs, kv, table, indices, route: str, order: str = "logical",
+            max_query_len: int | None = None):
     from .api import plan_attention, run_attention
 
     plan = plan_attention(indices, table, step.token_to_req, step.positions, step.seq_lens,
                           block_size=kv.shape[2], num_blocks=kv.shape[0], num_q_heads=step.q.shape[1],
-                          num_kv_heads=kv.shape[3], head_dim=step.q.shape[2], route=route, order=order)
+                          num_kv_heads=kv.shape[3], head_dim=step.q.shape[2], route=route, order=order,
+                          max_query_len=max_query_len)
     return run_attention(plan, step.q, kv[:, 0], kv[:, 1], gate=step.gate, kv_cache_dtype=step.kv_cache_dtype,
                          k_scale=step.k_scale, v_scale=step.v_scale, return_lse=True)
 
@@ -169,7 +171,10 @@ class Verifier:
         self.device = step.q.device
         self.backend = routes.kernel_backend(route, self.device)
         hq, hkv = step.q.shape[1], step.kv.shape[3]
-        self.choice = routes.choose(route, rows=step.rows, G=hq // hkv, head_dim=step.q.shape[2], device=self.device)
+        # as the layer plans the step: a pure decode step (one row per request) takes xqa under auto
+        self.max_query_len = routes.max_query_len_of(step.token_to_req)
+        self.choice = routes.choose(route, rows=step.rows, G=hq // hkv, head_dim=step.q.shape[2], device=self.device,
+                                    max_query_len=self.max_query_len)
         self.gen = torch.Generator().manual_seed(seed)
         self.checks: list[Check] = []
         if sample is None or sample >= step.rows:
@@ -178,7 +183,8 @@ class Verifier:
             self.rows = torch.linspace(0, step.rows - 1, sample).round().long().unique().to(self.device)
         self.base_idx = step.indices
         self.base_sel = _select(step, step.kc, step.block_table, self.backend, self.rows)
-        self.base_out, self.base_lse = _attend(step, step.kv, step.block_table, self.base_idx, route, plan_order)
+        self.base_out, self.base_lse = _attend(step, step.kv, step.block_table, self.base_idx, route, plan_order,
+                                                 self.max_query_len)
 
     def _compare(self, check: Check, sel, out, lse, what: str) -> None:
         check.runs += 1
@@ -196,7 +202,8 @@ class Verifier:
     def repeat(self) -> Check:
         c = Check("repeat")
         sel = _select(self.step, self.step.kc, self.step.block_table, self.backend, self.rows)
-        out, lse = _attend(self.step, self.step.kv, self.step.block_table, self.base_idx, self.route, self.order)
+        out, lse = _attend(self.step, self.step.kv, self.step.block_table, self.base_idx, self.route, self.order,
+                           self.max_query_len)
         self._compare(c, sel, out, lse, "second run")
         c.detail = c.detail or f"{self._sel_note()}, out and lse bitwise equal"
         return c
@@ -231,7 +238,7 @@ class Verifier:
             kind = kinds[i % len(kinds)]
             kv, kc, table, sizes[kind] = self.relocated(kind)
             sel = _select(self.step, kc, table, self.backend, self.rows)
-            out, lse = _attend(self.step, kv, table, self.base_idx, self.route, self.order)
+            out, lse = _attend(self.step, kv, table, self.base_idx, self.route, self.order, self.max_query_len)
             self._compare(checks[kind], sel, out, lse, f"relocation {i}")
             self.log(f"  relocation {i + 1}/{n} ({kind}): {checks[kind].status}")
         for kind, c in checks.items():
@@ -245,7 +252,8 @@ class Verifier:
         perm = torch.argsort(torch.rand(self.base_idx.shape, generator=self.gen), dim=1).to(self.device)
         idx = self.base_idx.clone()
         idx[self.rows] = torch.gather(self.base_idx, 1, perm)[self.rows]
-        out, lse = _attend(self.step, self.step.kv, self.step.block_table, idx, self.route, self.order)
+        out, lse = _attend(self.step, self.step.kv, self.step.block_table, idx, self.route, self.order,
+                           self.max_query_len)
         self._compare(c, None, out, lse, "shuffled rows")
         n = len(self.rows)
         c.detail = c.detail or (f"{'every row' if n == self.step.rows else f'{n} rows'}: indices shuffled; "
@@ -270,7 +278,7 @@ class Verifier:
             holder["plan"] = plan_attention(idx, static["block_table"], s.token_to_req, s.positions, s.seq_lens,
                                             block_size=bs, num_blocks=nb, num_q_heads=hq, num_kv_heads=hkv,
                                             head_dim=d, route=self.route, order=self.order, out=holder.get("plan"),
-                                            workspace=holder.get("workspace"))
+                                            workspace=holder.get("workspace"), max_query_len=self.max_query_len)
             out, lse = run_attention(holder["plan"], s.q, static["kv"][:, 0], static["kv"][:, 1], gate=s.gate,
                                      kv_cache_dtype=s.kv_cache_dtype, k_scale=s.k_scale, v_scale=s.v_scale,
                                      out=holder["out"], return_lse=True)
@@ -279,7 +287,7 @@ class Verifier:
         holder["out"] = torch.empty_like(s.q)
         holder["workspace"] = _workspace_for(self.choice, s, self.device)
         eager_idx, _, _ = body()  # warm-up: compile kernels, allocate the plan
-        eager_out, eager_lse = _attend(s, s.kv, s.block_table, eager_idx, self.route, self.order)
+        eager_out, eager_lse = _attend(s, s.kv, s.block_table, eager_idx, self.route, self.order, self.max_query_len)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -393,7 +401,8 @@ def _verify(args, device: torch.device) -> int:
     if args.save:
         step.save(args.save)
     hq, hkv, d = step.q.shape[1], step.kv.shape[3], step.q.shape[2]
-    choice = routes.choose(args.route, rows=step.rows, G=hq // hkv, head_dim=d, device=device)
+    choice = routes.choose(args.route, rows=step.rows, G=hq // hkv, head_dim=d, device=device,
+                           max_query_len=routes.max_query_len_of(step.token_to_req))
     split = (f"{choice.grouped_rows} rows grouped + {step.rows - choice.grouped_rows} single-row"
              if choice.route in ("grouped", "xqa") else f"all rows {choice.route}")
     print(f"qsa verify on {device}: step {source}")
