@@ -80,18 +80,13 @@ def grouped_config(G: int, head_dim: int) -> GroupedConfig:
     prefill-64k at overlap 0.8 went from 3.45 to 2.47 ms (12/1) and from 6.66 to 4.78 ms (24/2), planner
     included (benchmarks/results/2026-11-29-1843 and -1937; sweep: tune-2026-11-29-1920).
     """
-    if head_dim == 256 and GROUP_ROWS * G > 64:
-        rows = GROUP_ROWS
-        while rows > 1 and rows * G > MAX_TILE_ROWS:
-            rows //= 2
-        return GroupedConfig(rows_per_prog=rows, block_m=max(16, next_pow2(rows * G)), mb=8, num_warps=8,
-                             num_stages=3, prefetch=True)
-    tile_rows = 64 if head_dim == 256 else MAX_TILE_ROWS
+    wide = head_dim == 256 and GROUP_ROWS * G > 64  # 12/1, 24/2: 128-row tiles, 8 warps, prefetch
+    tile_rows = 64 if head_dim == 256 and not wide else MAX_TILE_ROWS
     rows = GROUP_ROWS
     while rows > 1 and rows * G > tile_rows:
         rows //= 2
-    block_m = max(16, next_pow2(rows * G))
-    return GroupedConfig(rows_per_prog=rows, block_m=block_m, mb=8, num_warps=4, num_stages=3)
+    return GroupedConfig(rows_per_prog=rows, block_m=max(16, next_pow2(rows * G)), mb=8,
+                         num_warps=8 if wide else 4, num_stages=3, prefetch=wide)
 
 
 def xqa_config(G: int, head_dim: int) -> SplitConfig:
