@@ -54,17 +54,28 @@ def compile_sm90(kernel, pointers: dict, constexprs: dict, floats=(), num_warps=
     return compiled, resource_usage(compiled)
 
 
+def _tool(name: str) -> str:
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+
+
 def resource_usage(compiled) -> dict:
-    """Registers, stack, local memory (spills) and shared memory of a compiled kernel."""
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    """Registers, stack, local memory (spills) and shared memory of a compiled kernel, and whether
+    ptxas serialised its wgmma instructions (info C7515: each waits for the one before, so the
+    tensor cores idle between the steps of a dot)."""
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
-        text = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True).stdout
+        text = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+        ptx = os.path.join(d, "k.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        info = subprocess.run([_tool("ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "p.cubin")],
+                              capture_output=True, text=True)
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
     usage = {k: int(v) for k, v in zip(("regs", "stack", "shared_static", "local"), m.groups())} if m else {}
     usage["shared"] = compiled.metadata.shared
+    usage["wgmma_serialized"] = "C7515" in info.stdout + info.stderr
     usage["mma"] = "wgmma" if "wgmma" in compiled.asm["ptx"] else ("mma" if "mma.sync" in compiled.asm["ptx"] else "none")
     return usage
 
@@ -87,10 +98,11 @@ def check_grouped_kernel(act, cache, G):
     _, usage = compile_sm90(
         grouped_attention_kernel, ptrs,
         dict(G=G, GROUP_ROWS=8, ROWS_PER_PROG=cfg.rows_per_prog, BLOCK_M=cfg.block_m, MB=cfg.mb, NUM_SPLITS=1,
-             PREFETCH=cfg.prefetch,
+             PREFETCH=cfg.prefetch, LAZY_RESCALE=cfg.lazy_rescale, SAME_KV_STRIDES=True,
              KV_FP8=cache == "u8", DOT_DTYPE=ACT[act], **FLAGS),
         floats=("qk_scale", "v_scale"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     assert usage["mma"] == "wgmma", usage
+    assert not usage["wgmma_serialized"], usage
     assert usage["shared"] <= SMEM_LIMIT, usage
     return usage
 
@@ -101,12 +113,13 @@ def check_single_row_kernel(route, cache):
     if route == "xqa":
         kernel = xqa_attention_kernel
         ptrs.update(ids_ptr="*i32", masks_ptr="*u8", counts_ptr="*i32")
-        cx = dict(MB=cfg.tile_tokens // 4)
+        cx = dict(MB=cfg.tile_tokens // 4, PREFETCH=cfg.prefetch)
     else:
         kernel = splitk_attention_kernel
         ptrs.update(tok_ptr="*i32", tok_counts_ptr="*i32", bt_ptr="*i32", req_ptr="*i32")
         cx = dict(BLOCK_N=cfg.tile_tokens)
     _, usage = compile_sm90(kernel, ptrs, dict(G=6, BLOCK_G=16, NUM_SPLITS=4, KV_FP8=cache == "u8",
+                                               SAME_KV_STRIDES=True,
                                                DOT_DTYPE=tl.float16, **cx, **FLAGS),
                             floats=("qk_scale", "v_scale"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     assert usage["shared"] <= SMEM_LIMIT, usage
@@ -121,8 +134,8 @@ def check_merge_and_planner_kernels():
             "ids_ptr": "*i32", "masks_ptr": "*u8", "counts_ptr": "*i32", "unsorted_ptr": "*i32",
             "num_unsorted_ptr": "*i32", "keys_ptr": "*i32"}
     for chunk, warps in ((512, 4), (4096, 16)):
-        compile_sm90(single_row_plan_kernel, rows, dict(BLOCK_SIZE=16, CH=chunk, PAD=16, EMIT_TOKENS=False),
-                     num_warps=warps)
+        compile_sm90(single_row_plan_kernel, rows, dict(BLOCK_SIZE=16, CH=chunk, PAD=16, EMIT_TOKENS=False,
+                                                        ONE_CHUNK=chunk == 4096), num_warps=warps)
     compile_sm90(single_row_sort_plan_kernel, rows,
                  dict(BLOCK_SIZE=16, BLOCK_W=4096, CH=512, PAD=16, EMIT_TOKENS=True), num_warps=16)
     groups = {"idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32",

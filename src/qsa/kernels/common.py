@@ -5,6 +5,8 @@ import triton
 import triton.language as tl
 
 LN2 = tl.constexpr(0.6931471805599453)
+RESCALE_SLACK = tl.constexpr(8.0)
+"""Lazy rescaling lets probabilities grow to 2**8 before the reference max moves."""
 
 
 @triton.jit
@@ -42,16 +44,41 @@ def attend_tile(
     b_k,  # [BLOCK_N, HEAD_DIM] in DOT_DTYPE
     b_v,  # [BLOCK_N, HEAD_DIM] in DOT_DTYPE
     m_attend,  # [BLOCK_M, BLOCK_N] which (matrix row, token) pairs attend
-    b_m,  # [BLOCK_M] running max, log2 domain
+    b_m,  # [BLOCK_M] reference max (the shift of b_l and b_acc), log2 domain
     b_l,  # [BLOCK_M] running sum
     b_acc,  # [BLOCK_M, HEAD_DIM] fp32 running P @ V
     qk_scale,  # softmax scale * k_scale * log2(e)
     P_DTYPE: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr = False,
 ):
-    """One online-softmax step over a K/V tile: scores, masking, rescale, P @ V (fp32 accumulate)."""
+    """One online-softmax step over a K/V tile: scores, masking, rescale, P @ V (fp32 accumulate).
+
+    With ``LAZY_RESCALE`` the reference max moves (and the [BLOCK_M, HEAD_DIM] accumulator is
+    rescaled) only in tiles where some row's max exceeds it by more than ``RESCALE_SLACK``; otherwise
+    the tile's probabilities are taken against the old reference and stay below 2**RESCALE_SLACK. The
+    result is the same softmax (out = acc / l, lse = m + log2(l) hold for any reference), rounded at
+    other points, and as deterministic: the decision depends on the data in tile order only.
+    """
     b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
     b_s = tl.where(m_attend, b_s, float("-inf"))
-    b_m_new = tl.maximum(b_m, tl.max(b_s, 1))
+    b_max = tl.max(b_s, 1)
+    if LAZY_RESCALE:
+        # Growth of each row's max past its reference: huge for a row's first scores (reference -inf,
+        # floored to a finite value so that -inf - -inf never makes a NaN), -inf where nothing is new.
+        b_grow = b_max - tl.maximum(b_m, -3.0e38)
+        if tl.max(b_grow, 0) > RESCALE_SLACK:
+            b_m_new = tl.maximum(b_m, b_max)
+            # A row that has attended nothing yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
+            b_alpha = tl.exp2(b_m - tl.where(b_m_new == float("-inf"), 0.0, b_m_new))
+            b_l = b_l * b_alpha
+            b_acc = b_acc * b_alpha[:, None]
+            b_m = b_m_new
+        b_shift = tl.where(b_m == float("-inf"), 0.0, b_m)
+        b_p = tl.exp2(b_s - b_shift[:, None])
+        b_l = b_l + tl.sum(b_p, 1)
+        b_acc = tl.dot(b_p.to(P_DTYPE), b_v, b_acc)
+        return b_m, b_l, b_acc
+    b_m_new = tl.maximum(b_m, b_max)
     # A row that has attended nothing yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
     b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
     b_p = tl.exp2(b_s - b_shift[:, None])

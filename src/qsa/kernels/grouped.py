@@ -48,6 +48,8 @@ def grouped_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
     KV_FP8: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,  # K and V caches share their strides: one offset per token serves both
+    LAZY_RESCALE: tl.constexpr,  # move the reference max only when a row's max grows by > RESCALE_SLACK
     DOT_DTYPE: tl.constexpr,  # operand dtype of both dots (fp32 under the interpreter for bf16)
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
@@ -90,7 +92,11 @@ def grouped_attention_kernel(
         o_e = tile_start * MB + o_n // 4
         b_id_next = tl.load(p_ids + o_e, mask=o_e < count, other=0)
         b_gm_next = tl.load(p_masks + o_e, mask=o_e < count, other=0)
-    for i_t in range(tile_start, tile_end):
+    # At least one trip, so no path skips the loop: ptxas serialises every wgmma of a kernel where a
+    # path that bypasses the loop redefines the accumulator registers (sm_90 warning C7515). An empty
+    # range starts at tile cdiv(count, MB) or later, so its one trip reads no entry and attends nothing.
+    for j_t in range(0, tl.maximum(tile_end - tile_start, 1)):
+        i_t = tile_start + j_t
         # Fixed tile boundaries: tile i_t is plan entries [i_t * MB, (i_t + 1) * MB).
         o_e = i_t * MB + o_n // 4
         m_n = o_e < count
@@ -104,13 +110,19 @@ def grouped_attention_kernel(
             b_gm = tl.load(p_masks + o_e, mask=m_n, other=0)
         o_tok = (b_id // MB_PER_BLOCK).to(tl.int64) * stride_k_block \
             + ((b_id % MB_PER_BLOCK) * 4 + o_slot) * stride_k_tok + i_kvh * stride_k_head
-        o_vtok = (b_id // MB_PER_BLOCK).to(tl.int64) * stride_v_block \
-            + ((b_id % MB_PER_BLOCK) * 4 + o_slot) * stride_v_tok + i_kvh * stride_v_head
-        m_used = m_n & ((((b_gm >> (4 * i_sub * ROWS_PER_PROG)) >> o_slot) & (ROW_NIBBLES & 0x11111111)) != 0)
+        if SAME_KV_STRIDES:
+            o_vtok = o_tok
+        else:
+            o_vtok = (b_id // MB_PER_BLOCK).to(tl.int64) * stride_v_block \
+                + ((b_id % MB_PER_BLOCK) * 4 + o_slot) * stride_v_tok + i_kvh * stride_v_head
+        # Entries past the count have mask 0 (their loads above return 0), so they load nothing.
+        m_used = (((b_gm >> (4 * i_sub * ROWS_PER_PROG)) >> o_slot) & (ROW_NIBBLES & 0x11111111)) != 0
         b_k = load_kv_tile(k_ptr, o_tok, o_d, m_used, KV_FP8, DOT_DTYPE)
         b_v = load_kv_tile(v_ptr, o_vtok, o_d, m_used, KV_FP8, DOT_DTYPE)
-        m_attend = (((b_gm[None, :] >> o_shift) & 1) != 0) & m_row[:, None]
-        b_m, b_l, b_acc = attend_tile(b_q, b_k, b_v, m_attend, b_m, b_l, b_acc, qk_scale, DOT_DTYPE)
+        # Matrix rows past the program's rows are not stored; whatever they attend stays finite.
+        m_attend = ((b_gm[None, :] >> o_shift) & 1) != 0
+        b_m, b_l, b_acc = attend_tile(b_q, b_k, b_v, m_attend, b_m, b_l, b_acc, qk_scale, DOT_DTYPE,
+                                      LAZY_RESCALE)
 
     if NUM_SPLITS == 1:
         store_output(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, out_ptr, gate_ptr, lse_ptr, v_scale,
