@@ -33,6 +33,12 @@ def _common(q, k, v, out, gate, lse):
     ), g, lse_t
 
 
+def same_kv_strides(k, v) -> bool:
+    """Whether K and V share their strides (views of one interleaved cache, or two caches of one layout):
+    then the kernels compute each token's offset once for both."""
+    return k.stride() == v.stride()
+
+
 def qk_scale_log2(softmax_scale: float, k_scale: float) -> float:
     return float(softmax_scale) * float(k_scale) * math.log2(math.e)
 
@@ -61,7 +67,8 @@ def grouped_attention(q, k, v, plan: GroupedPlan, *, out, lse, gate, softmax_sca
         stride_plan=plan.mb_ids.stride(0), **strides,
         G=G, GROUP_ROWS=plan.group_rows, ROWS_PER_PROG=cfg.rows_per_prog, BLOCK_M=cfg.block_m,
         MB=cfg.mb, NUM_SPLITS=splits, PREFETCH=cfg.prefetch, HEAD_DIM=d, BLOCK_SIZE=plan.block_size, KV_FP8=kv_fp8,
-        DOT_DTYPE=_dot_dtype(q), HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
+        SAME_KV_STRIDES=same_kv_strides(k, v), LAZY_RESCALE=cfg.lazy_rescale, DOT_DTYPE=_dot_dtype(q),
+        HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if splits > 1:
@@ -110,8 +117,9 @@ def xqa_attention(q, k, v, plan: SingleRowPlan, *, row_start: int, out, lse, gat
         q, k, v, plan.mb_ids, plan.masks, plan.counts, g, out, lse_t, part_acc, part_ml,
         row_start, hq, qk_scale_log2(softmax_scale, k_scale), float(v_scale),
         stride_ids=plan.mb_ids.stride(0), stride_masks=plan.masks.stride(0), **strides,
-        G=G, BLOCK_G=max(16, next_pow2(G)), MB=mb, NUM_SPLITS=splits,
-        HEAD_DIM=d, BLOCK_SIZE=plan.block_size, KV_FP8=kv_fp8, DOT_DTYPE=_dot_dtype(q),
+        G=G, BLOCK_G=max(16, next_pow2(G)), MB=mb, NUM_SPLITS=splits, PREFETCH=cfg.prefetch,
+        HEAD_DIM=d, BLOCK_SIZE=plan.block_size, KV_FP8=kv_fp8, SAME_KV_STRIDES=same_kv_strides(k, v),
+        DOT_DTYPE=_dot_dtype(q),
         HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -141,7 +149,8 @@ def splitk_attention(q, k, v, tokens, counts, block_table, token_to_req, *, bloc
         hq, qk_scale_log2(softmax_scale, k_scale), float(v_scale),
         stride_tok=tokens.stride(0), stride_bt=block_table.stride(0), **strides,
         G=G, BLOCK_G=max(16, next_pow2(G)), BLOCK_N=cfg.tile_tokens, NUM_SPLITS=splits,
-        HEAD_DIM=d, BLOCK_SIZE=block_size, KV_FP8=kv_fp8, DOT_DTYPE=_dot_dtype(q),
+        HEAD_DIM=d, BLOCK_SIZE=block_size, KV_FP8=kv_fp8, SAME_KV_STRIDES=same_kv_strides(k, v),
+        DOT_DTYPE=_dot_dtype(q),
         HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

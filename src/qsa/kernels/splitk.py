@@ -49,6 +49,7 @@ def splitk_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,  # K and V caches share their strides: one offset per token serves both
     DOT_DTYPE: tl.constexpr,
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
@@ -78,7 +79,10 @@ def splitk_attention_kernel(
         b_t = tl.load(tok_ptr + i_r * stride_tok + o_e, mask=m_n, other=0)
         b_phys = tl.load(bt_ptr + req * stride_bt + b_t // BLOCK_SIZE, mask=m_n, other=0).to(tl.int64)
         o_ktok = b_phys * stride_k_block + (b_t % BLOCK_SIZE) * stride_k_tok + i_kvh * stride_k_head
-        o_vtok = b_phys * stride_v_block + (b_t % BLOCK_SIZE) * stride_v_tok + i_kvh * stride_v_head
+        if SAME_KV_STRIDES:
+            o_vtok = o_ktok
+        else:
+            o_vtok = b_phys * stride_v_block + (b_t % BLOCK_SIZE) * stride_v_tok + i_kvh * stride_v_head
         b_k = load_kv_tile(k_ptr, o_ktok, o_d, m_n, KV_FP8, DOT_DTYPE)
         b_v = load_kv_tile(v_ptr, o_vtok, o_d, m_n, KV_FP8, DOT_DTYPE)
         m_attend = m_n[None, :] & m_row[:, None]

@@ -44,9 +44,11 @@ def xqa_attention_kernel(
     BLOCK_G: tl.constexpr,  # power of two >= max(G, 16)
     MB: tl.constexpr,  # microblocks per tile (tile = 4 * MB tokens)
     NUM_SPLITS: tl.constexpr,  # each row's tiles are cut into this many near-equal runs
+    PREFETCH: tl.constexpr,  # load the next tile's plan entries one iteration ahead
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,  # K and V caches share their strides: one offset per token serves both
     DOT_DTYPE: tl.constexpr,
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
@@ -73,15 +75,30 @@ def xqa_attention_kernel(
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    if PREFETCH:
+        # Each tile's plan entries are loaded one iteration ahead, so the K/V loads do not wait on a
+        # load of their own iteration and can be issued num_stages - 1 tiles ahead.
+        o_e = tile_start * MB + o_n // 4
+        b_id_next = tl.load(ids_ptr + i_r * stride_ids + o_e, mask=o_e < count, other=0)
+        b_bits_next = tl.load(masks_ptr + i_r * stride_masks + o_e, mask=o_e < count, other=0)
     for i_t in range(tile_start, tile_end):
         o_e = i_t * MB + o_n // 4
         m_n = o_e < count
-        b_id = tl.load(ids_ptr + i_r * stride_ids + o_e, mask=m_n, other=0)
-        b_bits = tl.load(masks_ptr + i_r * stride_masks + o_e, mask=m_n, other=0).to(tl.int32)
+        if PREFETCH:
+            b_id = b_id_next
+            b_bits = b_bits_next.to(tl.int32)
+            b_id_next = tl.load(ids_ptr + i_r * stride_ids + o_e + MB, mask=o_e + MB < count, other=0)
+            b_bits_next = tl.load(masks_ptr + i_r * stride_masks + o_e + MB, mask=o_e + MB < count, other=0)
+        else:
+            b_id = tl.load(ids_ptr + i_r * stride_ids + o_e, mask=m_n, other=0)
+            b_bits = tl.load(masks_ptr + i_r * stride_masks + o_e, mask=m_n, other=0).to(tl.int32)
         o_blk = (b_id // MB_PER_BLOCK).to(tl.int64)
         o_in = (b_id % MB_PER_BLOCK) * 4 + o_slot
         o_ktok = o_blk * stride_k_block + o_in * stride_k_tok + i_kvh * stride_k_head
-        o_vtok = o_blk * stride_v_block + o_in * stride_v_tok + i_kvh * stride_v_head
+        if SAME_KV_STRIDES:
+            o_vtok = o_ktok
+        else:
+            o_vtok = o_blk * stride_v_block + o_in * stride_v_tok + i_kvh * stride_v_head
         m_used = m_n & (((b_bits >> o_slot) & 1) != 0)
         b_k = load_kv_tile(k_ptr, o_ktok, o_d, m_used, KV_FP8, DOT_DTYPE)
         b_v = load_kv_tile(v_ptr, o_vtok, o_d, m_used, KV_FP8, DOT_DTYPE)
