@@ -267,10 +267,14 @@ def test_zero_rows():
     assert single.num_rows == 0 and grouped.num_groups == 0
 
 
+@pytest.mark.parametrize("one_chunk", [False, True])
 @pytest.mark.parametrize("shuffle", [False, True])
-def test_runs_across_chunk_boundaries(shuffle):
+def test_runs_across_chunk_boundaries(shuffle, one_chunk, monkeypatch):
     """Long rows read in several chunks: runs of one microblock straddle chunk boundaries (sorted
-    rows), or the row is out of order and goes through the sorting planner."""
+    rows), or the row is out of order and goes through the sorting planner. With ``one_chunk`` the
+    row planner reads each row in one step and sorts a row out of order itself."""
+    if one_chunk:
+        monkeypatch.setattr(qsa.plan, "row_plan_chunk", lambda rows, width, device: 2048)
     width = 1300
     toks = (torch.arange(width) + 1) // 3  # each token about 3 times; microblock runs of ~12 entries
     toks[-7:] = -1

@@ -365,9 +365,21 @@ def token_lists(indices, block_table, token_to_req, positions, seq_lens, *, bloc
     return tokens, counts
 
 
+def row_plan_chunk(rows: int, width: int, device) -> int:
+    """Indices the streaming row planner reads per step. Many rows: short steps keep registers low and
+    the GPU full. Few rows (decode, MTP): one long step, since each row's steps run one after another;
+    a row that fits one step is also sorted there when out of order (no second launch)."""
+    from .utils import device_facts
+
+    facts = device_facts(str(torch.device(device)))
+    few = facts["kind"] == "cuda" and rows < 2 * facts["sm_count"]
+    return min(4096 if few else 512, max(PAD, next_pow2(width)))
+
+
 def _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
                ids, masks, counts, *, emit_tokens: bool, row_start: int = 0) -> None:
-    """Launch the streaming row planner, then the sorting planner for rows found out of order."""
+    """Launch the streaming row planner, then (rows wider than one step) the sorting planner for rows
+    found out of order."""
     from .kernels.plan import single_row_plan_kernel, single_row_sort_plan_kernel
     from .utils import device_facts
 
@@ -375,20 +387,23 @@ def _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_si
     if rows == row_start:
         return
     device = indices.device
-    unsorted = torch.empty((rows,), dtype=torch.int32, device=device)
-    num_unsorted = torch.zeros((1,), dtype=torch.int32, device=device)
-    facts = device_facts(str(device))
-    # Many rows: short steps keep registers low and the GPU full. Few rows (decode): one long step,
-    # since each row's steps run one after another.
-    few = facts["kind"] == "cuda" and rows - row_start < 2 * facts["sm_count"]
-    chunk = min(4096 if few else 512, max(PAD, next_pow2(width)))
+    chunk = row_plan_chunk(rows - row_start, width, device)
+    one_chunk = chunk >= width
+    if one_chunk:  # the list of rows out of order is not used
+        unsorted = num_unsorted = counts
+    else:
+        unsorted = torch.empty((rows,), dtype=torch.int32, device=device)
+        num_unsorted = torch.zeros((1,), dtype=torch.int32, device=device)
     common = dict(W=width, num_reqs=block_table.shape[0], max_blocks=block_table.shape[1],
                   num_blocks=num_blocks, stride_idx_row=indices.stride(0), stride_bt_req=block_table.stride(0),
                   stride_ids_row=ids.stride(0), stride_masks_row=masks.stride(0), BLOCK_SIZE=block_size,
                   CH=chunk, PAD=PAD, EMIT_TOKENS=emit_tokens)
     single_row_plan_kernel[(rows - row_start,)](
         indices, block_table, token_to_req, positions, seq_lens, ids, masks, counts, unsorted, num_unsorted,
-        row_start, **common, num_warps=max(4, min(16, chunk // 128)))
+        row_start, **common, ONE_CHUNK=one_chunk, num_warps=max(4, min(16, chunk // 128)))
+    if one_chunk:
+        return
+    facts = device_facts(str(device))
     programs = max(1, min(rows - row_start, facts["sm_count"] if facts["kind"] == "cuda" else 2))
     block_w = max(next_pow2(width), PAD)
     keys = torch.empty((programs, block_w), dtype=torch.int32, device=device)

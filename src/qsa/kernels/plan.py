@@ -116,11 +116,13 @@ def single_row_plan_kernel(
     CH: tl.constexpr,  # tokens per step
     PAD: tl.constexpr,
     EMIT_TOKENS: tl.constexpr,  # emit distinct kept logical tokens instead of microblocks
+    ONE_CHUNK: tl.constexpr,  # CH >= W: sort a row found out of order here, in registers
 ):
     """One row whose kept tokens already ascend (as select_tokens emits them): one streaming pass.
 
     Kept tokens are read CH at a time; each logical unit is emitted where its run ends, with the OR
-    of its bits. A row found out of order is handed to ``single_row_sort_plan_kernel``.
+    of its bits. A row found out of order is handed to ``single_row_sort_plan_kernel``, unless the
+    row is one chunk (``ONE_CHUNK``): then it is sorted in place and no second launch is needed.
     """
     i_r = tl.program_id(0).to(tl.int64) + row_start
     req, pos, seq_len, row_ok = _row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs)
@@ -128,32 +130,40 @@ def single_row_plan_kernel(
     p_ids = ids_ptr + i_r * stride_ids_row
     p_masks = masks_ptr + i_r * stride_masks_row
     o_c = tl.arange(0, CH)
-
     b_key, b_phys = _kept_keys(p_idx, o_c, W, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req, max_blocks,
                                num_blocks, BLOCK_SIZE)
-    prev_key = -1
-    carry = 0
-    count = 0
-    ordered = W >= 0
-    c = 0
-    while (c < W) & ordered:
-        b_key_next, b_phys_next = _kept_keys(p_idx, c + CH + o_c, W, req, pos, seq_len, row_ok, bt_ptr,
-                                             stride_bt_req, max_blocks, num_blocks, BLOCK_SIZE)
+    if ONE_CHUNK:
         b_prev = tl.gather(b_key, tl.maximum(o_c - 1, 0), 0)
-        b_prev = tl.where(o_c == 0, prev_key, b_prev)
-        ordered = tl.min((b_prev <= b_key).to(tl.int32), 0) != 0
-        if ordered:
-            next_key = tl.sum(tl.where(o_c == 0, b_key_next, 0), 0)
-            count, carry = _emit_sorted_chunk(b_key, b_phys, next_key, prev_key, carry, count, p_ids, p_masks,
-                                              BLOCK_SIZE, CH, EMIT_TOKENS)
-        prev_key = _last(b_key, CH)
-        b_key = b_key_next
-        b_phys = b_phys_next
-        c += CH
-    if ordered:
+        if tl.min((b_prev <= b_key).to(tl.int32), 0) == 0:
+            b_key = tl.sort(b_key)
+            b_phys = tl.load(bt_ptr + req * stride_bt_req + b_key // BLOCK_SIZE, mask=b_key != INT32_MAX, other=0)
+        count, _ = _emit_sorted_chunk(b_key, b_phys, INT32_MAX, -1, 0, 0, p_ids, p_masks, BLOCK_SIZE, CH,
+                                      EMIT_TOKENS)
         _finish_row(count, p_ids, p_masks, counts_ptr, i_r, PAD, EMIT_TOKENS)
     else:
-        tl.store(unsorted_ptr + tl.atomic_add(num_unsorted_ptr, 1), i_r.to(tl.int32))
+        prev_key = -1
+        carry = 0
+        count = 0
+        ordered = W >= 0
+        c = 0
+        while (c < W) & ordered:
+            b_key_next, b_phys_next = _kept_keys(p_idx, c + CH + o_c, W, req, pos, seq_len, row_ok, bt_ptr,
+                                                 stride_bt_req, max_blocks, num_blocks, BLOCK_SIZE)
+            b_prev = tl.gather(b_key, tl.maximum(o_c - 1, 0), 0)
+            b_prev = tl.where(o_c == 0, prev_key, b_prev)
+            ordered = tl.min((b_prev <= b_key).to(tl.int32), 0) != 0
+            if ordered:
+                next_key = tl.sum(tl.where(o_c == 0, b_key_next, 0), 0)
+                count, carry = _emit_sorted_chunk(b_key, b_phys, next_key, prev_key, carry, count, p_ids, p_masks,
+                                                  BLOCK_SIZE, CH, EMIT_TOKENS)
+            prev_key = _last(b_key, CH)
+            b_key = b_key_next
+            b_phys = b_phys_next
+            c += CH
+        if ordered:
+            _finish_row(count, p_ids, p_masks, counts_ptr, i_r, PAD, EMIT_TOKENS)
+        else:
+            tl.store(unsorted_ptr + tl.atomic_add(num_unsorted_ptr, 1), i_r.to(tl.int32))
 
 
 @triton.jit
