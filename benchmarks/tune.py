@@ -26,19 +26,20 @@ from .generators import attention_workload
 from .registry import K, Scenario
 from .timing import Timer, TimingConfig
 
-GROUPED = [  # rows_per_prog (at most), max tile rows, mb, num_warps, num_stages, programs_per_sm, prefetch
-    (8, 64, 8, 4, 3, 2, False), (8, 64, 8, 4, 2, 2, False), (8, 64, 8, 4, 3, 2, True), (8, 64, 4, 4, 3, 2, True),
-    (8, 64, 4, 4, 4, 2, True), (8, 64, 16, 4, 2, 2, False), (8, 128, 8, 8, 3, 2, False),
-    (8, 128, 8, 8, 3, 2, True), (8, 128, 4, 8, 4, 2, True),
+GROUPED = [  # rows_per_prog (at most), max tile rows, mb, num_warps, num_stages, programs_per_sm, prefetch,
+    # lazy_rescale
+    (8, 64, 8, 4, 3, 2, False, False), (8, 64, 8, 4, 2, 2, False, False), (8, 64, 8, 4, 2, 2, False, True),
+    (8, 64, 8, 4, 2, 2, True, True), (8, 64, 4, 4, 2, 2, False, True), (8, 64, 4, 4, 3, 2, False, True),
+    (8, 128, 8, 8, 3, 2, True, False), (8, 128, 8, 8, 3, 2, True, True), (8, 128, 8, 8, 2, 2, True, True),
 ]
 PLANNER = [  # grouped planner: quads per row step, scan step, num_warps, programs_per_sm, layout
     *((q, s, w, p, lay) for lay in ("nibbles", "rows")
       for q, s, w, p in ((64, 2048, 8, 4), (64, 1024, 4, 8), (32, 1024, 4, 8), (128, 2048, 8, 4),
                          (64, 4096, 8, 4), (64, 2048, 4, 8), (128, 4096, 8, 2), (32, 512, 4, 16))),
 ]
-SPLIT = [  # tile_tokens, num_warps, num_stages, programs_per_sm (splitk sweeps the first three)
-    (64, 4, 2, 3), (64, 4, 2, 1), (64, 4, 3, 1), (64, 4, 4, 1), (32, 4, 3, 1), (32, 4, 4, 1), (32, 4, 4, 2),
-    (64, 4, 3, 2), (128, 8, 3, 1),
+SPLIT = [  # tile_tokens, num_warps, num_stages, programs_per_sm, prefetch (splitk sweeps the first three)
+    (64, 4, 2, 1, False), (64, 4, 2, 3, False), (64, 4, 3, 1, False), (64, 4, 3, 1, True), (32, 4, 4, 1, True),
+    (32, 4, 3, 2, True), (32, 4, 4, 2, True), (64, 8, 3, 1, True), (32, 8, 4, 1, True), (16, 4, 4, 2, True),
 ]
 
 
@@ -70,8 +71,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-planner", action="store_true", help="skip the planner sweep")
     args = ap.parse_args(argv)
     dev = torch.device("cpu" if args.smoke else "cuda")
-    grouped_settings = (GROUPED[0], GROUPED[2]) if args.smoke else GROUPED
-    split_settings = SPLIT[:2] if args.smoke else SPLIT
+    grouped_settings = (GROUPED[0], GROUPED[3]) if args.smoke else GROUPED
+    split_settings = (SPLIT[0], SPLIT[3]) if args.smoke else SPLIT
     planner_settings = (PLANNER[0], PLANNER[-1]) if args.smoke else PLANNER
     if args.no_planner:
         planner_settings = ()
@@ -151,17 +152,17 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
     if planner_only:
         return
     if rows >= 8 and scn.num_reqs == 1:
-        for rp, tile_rows, mb, nw, ns, pps, pf in grouped_settings:
+        for rp, tile_rows, mb, nw, ns, pps, pf, lazy in grouped_settings:
             while rp > 1 and rp * G > tile_rows:
                 rp //= 2
             bm = max(16, 1 << (rp * G - 1).bit_length())
             cfg = routes.GroupedConfig(rows_per_prog=rp, block_m=bm, mb=mb, num_warps=nw, num_stages=ns,
-                                       programs_per_sm=pps, prefetch=pf)
+                                       programs_per_sm=pps, prefetch=pf, lazy_rescale=lazy)
 
             def run_grouped(cfg=cfg):
                 attention.grouped_attention(q, c.k, c.v, grouped, config=cfg, **kw)
                 return out
-            record(scn.name, "grouped-attn", (rp, bm, mb, nw, ns, pps, pf), run_grouped, check)
+            record(scn.name, "grouped-attn", (rp, bm, mb, nw, ns, pps, pf, lazy), run_grouped, check)
         shape = dict(num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim)
         full = plan_attention(**inputs, **shape, route="grouped", workspace=ws)
 

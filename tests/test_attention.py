@@ -48,29 +48,45 @@ def test_splitk_takes_any_group_size():
     check_route(case, "splitk")
 
 
-@pytest.mark.parametrize("route", ["grouped", "grouped-prefetch", "xqa", "splitk"])
+@pytest.mark.parametrize("route", ["grouped", "grouped-prefetch", "xqa", "xqa-prefetch", "splitk"])
 def test_split_lists_merge_in_order(route, monkeypatch):
     """Long lists cut into splits at fixed positions and merged in order: still exact, and bitwise
-    stable under relocation (grouped also with the plan entries loaded a tile ahead, which must give
-    the same bits as loading them in their own iteration)."""
-    prefetch = route == "grouped-prefetch"
+    stable under relocation (the page4 routes also with the plan entries loaded a tile ahead, which must
+    give the same bits as loading them in their own iteration)."""
+    prefetch = route.endswith("-prefetch")
     route = route.replace("-prefetch", "")
     case = make_attention_case(rows=11, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16,
                                block_size=16, width=200, max_seq_len=400, messy=False, seed=4)
     monkeypatch.setattr(qsa.routes, "split_count", lambda programs, max_tiles, per_sm, device: 3)
-    small = qsa.routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2)
-    monkeypatch.setattr(qsa.routes, "xqa_config", lambda G, D: small)
-    monkeypatch.setattr(qsa.routes, "splitk_config", lambda G, D: small)
-    monkeypatch.setattr(qsa.routes, "grouped_config", lambda G, D: qsa.routes.GroupedConfig(
-        rows_per_prog=8, block_m=16, mb=4, num_warps=4, num_stages=2, prefetch=prefetch))
+
+    def use(prefetch):
+        small = qsa.routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=prefetch)
+        monkeypatch.setattr(qsa.routes, "xqa_config", lambda G, D: small)
+        monkeypatch.setattr(qsa.routes, "splitk_config", lambda G, D: small)
+        monkeypatch.setattr(qsa.routes, "grouped_config", lambda G, D: qsa.routes.GroupedConfig(
+            rows_per_prog=8, block_m=16, mb=4, num_warps=4, num_stages=2, prefetch=prefetch))
+    use(prefetch)
     check_route(case, route)
     base = _run(case, route)
     mapping = random_mapping(case.cache.num_blocks, generator=torch.Generator().manual_seed(5))
     _assert_bitwise(base, _run(case.relocated(mapping), route), "relocation with splits")
     if prefetch:
-        monkeypatch.setattr(qsa.routes, "grouped_config", lambda G, D: qsa.routes.GroupedConfig(
-            rows_per_prog=8, block_m=16, mb=4, num_warps=4, num_stages=2))
+        use(False)
         _assert_bitwise(base, _run(case, route), "prefetch vs no prefetch")
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_grouped_lazy_rescale(lazy, monkeypatch):
+    """Scores spread over tens of log2 units, so the lazily rescaled accumulator's reference max moves
+    in some tiles and not in others: still exact, and bitwise stable under relocation."""
+    case = make_attention_case(rows=16, num_reqs=2, num_q_heads=4, num_kv_heads=1, head_dim=16, width=64,
+                               max_seq_len=200, messy=False, seed=7)
+    case.q.mul_(8)
+    monkeypatch.setattr(qsa.routes, "grouped_config", lambda G, D: qsa.routes.GroupedConfig(
+        rows_per_prog=8, block_m=32, mb=2, num_warps=4, num_stages=2, lazy_rescale=lazy))
+    check_route(case, "grouped")
+    mapping = random_mapping(case.cache.num_blocks, generator=torch.Generator().manual_seed(8))
+    _assert_bitwise(_run(case, "grouped"), _run(case.relocated(mapping), "grouped"), "relocation")
 
 
 def test_scales_and_softmax_scale():

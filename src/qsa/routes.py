@@ -49,6 +49,7 @@ class GroupedConfig:
     num_stages: int
     programs_per_sm: int = 2  # split each group's list when there are fewer programs than this
     prefetch: bool = False  # load each tile's plan entries one iteration ahead (deeper K/V pipeline)
+    lazy_rescale: bool = False  # rescale the accumulator only when a row's max grows past a slack
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class SplitConfig:
     num_warps: int
     num_stages: int
     programs_per_sm: int = 3  # split each row's list until the launch has about this many programs
+    prefetch: bool = False  # xqa: load each tile's plan entries one iteration ahead
 
 
 @dataclass(frozen=True)
@@ -74,11 +76,12 @@ class RoutePlan:
 def grouped_config(G: int, head_dim: int) -> GroupedConfig:
     """Tuned defaults per shape (see docs/perf-notes.md).
 
-    head_dim 256: up to 8 heads per KV head, 8 rows fill a 64-row tile (4 warps, two programs per SM;
-    0.82 ms for prefill-64k at overlap 0.98 on the H200). More heads (12/1, 24/2) take 128-row tiles
-    on 8 warps with the plan-entry prefetch, which keeps 8 (12/1) or 4 (24/2) rows per program:
-    prefill-64k at overlap 0.8 went from 3.45 to 2.47 ms (12/1) and from 6.66 to 4.78 ms (24/2), planner
-    included (benchmarks/results/2026-11-29-1843 and -1937; sweep: tune-2026-11-29-1920).
+    head_dim 256: up to 8 heads per KV head, 8 rows fill a 64-row tile (4 warps, two programs per SM,
+    two K/V buffers); prefill-64k's attention kernel took 0.594 ms at overlap 0.98 on the H200
+    (benchmarks/results/tune-2026-11-29-2044). More heads (12/1, 24/2) take 128-row tiles on 8 warps
+    with the plan-entry prefetch and the lazily rescaled accumulator, which keeps 8 (12/1) or 4 (24/2)
+    rows per program: 0.46 ms (12/1) and 0.86 ms (24/2) for 2048 rows at 8K, overlap 0.8
+    (tune-2026-11-29-2027). The lazy rescale costs more than it saves on 64-row tiles (0.648 ms).
     """
     wide = head_dim == 256 and GROUP_ROWS * G > 64  # 12/1, 24/2: 128-row tiles, 8 warps, prefetch
     tile_rows = 64 if head_dim == 256 and not wide else MAX_TILE_ROWS
@@ -86,13 +89,15 @@ def grouped_config(G: int, head_dim: int) -> GroupedConfig:
     while rows > 1 and rows * G > tile_rows:
         rows //= 2
     return GroupedConfig(rows_per_prog=rows, block_m=max(16, next_pow2(rows * G)), mb=8,
-                         num_warps=8 if wide else 4, num_stages=3, prefetch=wide)
+                         num_warps=8 if wide else 4, num_stages=3 if wide else 2, prefetch=wide,
+                         lazy_rescale=wide)
 
 
 def xqa_config(G: int, head_dim: int) -> SplitConfig:
-    # One program per SM: on the H200 the xqa kernel took 0.064 ms for decode-64 (0.067 ms at 3 per SM)
-    # and 0.022 ms for mtp-8 (0.027 ms), benchmarks/results/tune-2026-11-29-1727/1830.
-    return SplitConfig(tile_tokens=64, num_warps=4, num_stages=2, programs_per_sm=1)
+    # 32-token tiles, four K/V buffers fed by the plan-entry prefetch, one program per SM: on the H200
+    # the xqa kernel took 0.144 ms for decode-256 (0.160 ms with one buffer of 64 tokens), 0.056 ms for
+    # decode-64 (0.060) and 0.020 ms for mtp-8 (0.021), benchmarks/results/tune-2026-11-29-2027.
+    return SplitConfig(tile_tokens=32, num_warps=4, num_stages=4, programs_per_sm=1, prefetch=True)
 
 
 def splitk_config(G: int, head_dim: int) -> SplitConfig:
