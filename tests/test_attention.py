@@ -131,6 +131,23 @@ def test_bitwise_determinism(route):
     _assert_bitwise(base, _run(moved, route), "relocation into a larger cache, collision-prone ids")
 
 
+@pytest.mark.parametrize("route", ROUTES)
+def test_v_cache_with_its_own_strides(route):
+    """K and V caches of different strides (V a view into a wider NaN buffer) give the bits of the
+    common layout: the kernels then compute V's offsets apart from K's."""
+    case = make_attention_case(rows=12, num_reqs=2, num_q_heads=4, num_kv_heads=2, head_dim=16, width=24,
+                               layout="separate", seed=15)
+    c = case.cache
+    wide = torch.full((c.num_blocks, c.block_size + 4, *c.v.shape[2:]), float("nan"), dtype=c.v.dtype)
+    v = wide[:, 2:2 + c.block_size]
+    v.copy_(c.v)
+    assert v.stride() != c.k.stride()
+    args = (case.q, c.k, c.v, case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens)
+    base = qsa.sparse_paged_attention(*args, route=route, return_lse=True)
+    got = qsa.sparse_paged_attention(*args[:2], v, *args[3:], route=route, return_lse=True)
+    _assert_bitwise(base, got, "V with its own strides")
+
+
 def test_padding_and_empty_rows_are_zero():
     case = make_attention_case(rows=10, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=8,
                                padding_rows=4, seed=8)

@@ -30,6 +30,28 @@ def load_kv_tile(
 
 
 @triton.jit
+def load_kv_microblocks(
+    base_ptr,  # [num_blocks, block_size, Hkv, D] cache (fp16/bf16, or uint8 E4M3)
+    o_mb,  # [MB] int64 element offset of each microblock's first token's head row
+    stride_tok,
+    o_d,  # [HEAD_DIM]
+    m_used,  # [MB, 4] tokens to load
+    KV_FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """A [4 * MB, HEAD_DIM] tile of MB microblocks (4 consecutive token slots each); masked tokens read
+    as 0. Offsets are computed per microblock, not per token."""
+    o_t = tl.arange(0, 4) * stride_tok
+    p = base_ptr + (o_mb[:, None] + o_t[None, :])[:, :, None] + o_d[None, None, :]
+    b_x = tl.load(p, mask=m_used[:, :, None], other=0)
+    if KV_FP8:
+        b_x = b_x.to(tl.float8e4nv, bitcast=True)
+    MB: tl.constexpr = o_mb.shape[0]
+    HEAD_DIM: tl.constexpr = o_d.shape[0]
+    return tl.reshape(b_x.to(DOT_DTYPE), [4 * MB, HEAD_DIM])
+
+
+@triton.jit
 def split_range(n_tiles, i_split, NUM_SPLITS: tl.constexpr):
     """Tiles ``[start, end)`` of split ``i_split``: near-equal runs at positions fixed by the list
     length alone, so where pages live or how indices were ordered never moves a boundary."""

@@ -4,7 +4,7 @@ all query heads of a KV head, with tensor-core QK^T and PV and per-row 4-bit mas
 import triton
 import triton.language as tl
 
-from .common import attend_tile, load_kv_tile, split_range, store_output, store_partial
+from .common import attend_tile, load_kv_microblocks, split_range, store_output, store_partial
 
 
 @triton.jit
@@ -85,11 +85,12 @@ def grouped_attention_kernel(
     b_l = tl.zeros([BLOCK_M], tl.float32)
     b_acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     tile_start, tile_end = split_range(tl.cdiv(count, MB), i_split, NUM_SPLITS)
+    o_j = tl.arange(0, MB)
     if PREFETCH:
         # Each tile's plan entries are loaded one iteration ahead, so the K/V loads do not wait on a
         # load of their own iteration and the compiler issues them num_stages - 1 tiles ahead (with
         # num_stages K/V buffers: more shared memory, fewer programs per SM).
-        o_e = tile_start * MB + o_n // 4
+        o_e = tile_start * MB + o_j
         b_id_next = tl.load(p_ids + o_e, mask=o_e < count, other=0)
         b_gm_next = tl.load(p_masks + o_e, mask=o_e < count, other=0)
     # At least one trip, so no path skips the loop: ptxas serialises every wgmma of a kernel where a
@@ -98,27 +99,28 @@ def grouped_attention_kernel(
     for j_t in range(0, tl.maximum(tile_end - tile_start, 1)):
         i_t = tile_start + j_t
         # Fixed tile boundaries: tile i_t is plan entries [i_t * MB, (i_t + 1) * MB).
-        o_e = i_t * MB + o_n // 4
-        m_n = o_e < count
+        o_e = i_t * MB + o_j
         if PREFETCH:
             b_id = b_id_next
             b_gm = b_gm_next
             b_id_next = tl.load(p_ids + o_e + MB, mask=o_e + MB < count, other=0)
             b_gm_next = tl.load(p_masks + o_e + MB, mask=o_e + MB < count, other=0)
         else:
-            b_id = tl.load(p_ids + o_e, mask=m_n, other=0)
-            b_gm = tl.load(p_masks + o_e, mask=m_n, other=0)
-        o_tok = (b_id // MB_PER_BLOCK).to(tl.int64) * stride_k_block \
-            + ((b_id % MB_PER_BLOCK) * 4 + o_slot) * stride_k_tok + i_kvh * stride_k_head
+            b_id = tl.load(p_ids + o_e, mask=o_e < count, other=0)
+            b_gm = tl.load(p_masks + o_e, mask=o_e < count, other=0)
+        # Offsets and masks per microblock (entries past the count have mask 0: they load nothing).
+        o_mb = (b_id // MB_PER_BLOCK).to(tl.int64) * stride_k_block \
+            + (b_id % MB_PER_BLOCK) * 4 * stride_k_tok + i_kvh * stride_k_head
+        m_used = (((b_gm[:, None] >> (4 * i_sub * ROWS_PER_PROG)) >> tl.arange(0, 4)[None, :])
+                  & (ROW_NIBBLES & 0x11111111)) != 0
+        b_k = load_kv_microblocks(k_ptr, o_mb, stride_k_tok, o_d, m_used, KV_FP8, DOT_DTYPE)
         if SAME_KV_STRIDES:
-            o_vtok = o_tok
+            b_v = load_kv_microblocks(v_ptr, o_mb, stride_k_tok, o_d, m_used, KV_FP8, DOT_DTYPE)
         else:
-            o_vtok = (b_id // MB_PER_BLOCK).to(tl.int64) * stride_v_block \
-                + ((b_id % MB_PER_BLOCK) * 4 + o_slot) * stride_v_tok + i_kvh * stride_v_head
-        # Entries past the count have mask 0 (their loads above return 0), so they load nothing.
-        m_used = (((b_gm >> (4 * i_sub * ROWS_PER_PROG)) >> o_slot) & (ROW_NIBBLES & 0x11111111)) != 0
-        b_k = load_kv_tile(k_ptr, o_tok, o_d, m_used, KV_FP8, DOT_DTYPE)
-        b_v = load_kv_tile(v_ptr, o_vtok, o_d, m_used, KV_FP8, DOT_DTYPE)
+            o_vmb = (b_id // MB_PER_BLOCK).to(tl.int64) * stride_v_block \
+                + (b_id % MB_PER_BLOCK) * 4 * stride_v_tok + i_kvh * stride_v_head
+            b_v = load_kv_microblocks(v_ptr, o_vmb, stride_v_tok, o_d, m_used, KV_FP8, DOT_DTYPE)
+        b_gm = tl.reshape(tl.broadcast_to(b_gm[:, None], [MB, 4]), [BLOCK_N])  # per token
         # Matrix rows past the program's rows are not stored; whatever they attend stays finite.
         m_attend = ((b_gm[None, :] >> o_shift) & 1) != 0
         b_m, b_l, b_acc = attend_tile(b_q, b_k, b_v, m_attend, b_m, b_l, b_acc, qk_scale, DOT_DTYPE,
