@@ -186,32 +186,30 @@ def merge_splits_kernel(
     stride_g_head,
     stride_lse_row,
     NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # power of two >= NUM_SPLITS
     HEAD_DIM: tl.constexpr,
-    BLOCK_H: tl.constexpr,
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
 ):
-    """Combine the splits of BLOCK_H heads of one row, always in split order 0, 1, ..."""
+    """Combine the splits of one head of one row. All splits are loaded at once and reduced by a
+    fixed tree (the same for every call of a shape), not one after another: a row's merge is one
+    round of loads, whatever the split count."""
     i_r = tl.program_id(0).to(tl.int64)
-    o_h = tl.program_id(1).to(tl.int64) * BLOCK_H + tl.arange(0, BLOCK_H)
-    m_h = o_h < Hq
+    i_h = tl.program_id(1).to(tl.int64)
+    o_s = tl.arange(0, BLOCK_S)
     o_d = tl.arange(0, HEAD_DIM)
-    o_base = (i_r * Hq + o_h) * NUM_SPLITS
-    b_m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s in range(NUM_SPLITS):
-        b_m = tl.maximum(b_m, tl.load(part_ml_ptr + (o_base + s) * 2, mask=m_h, other=float("-inf")))
-    b_shift = tl.where(b_m == float("-inf"), 0.0, b_m)
-    b_l = tl.zeros([BLOCK_H], tl.float32)
-    b_acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for s in range(NUM_SPLITS):
-        b_ms = tl.load(part_ml_ptr + (o_base + s) * 2, mask=m_h, other=float("-inf"))
-        b_ls = tl.load(part_ml_ptr + (o_base + s) * 2 + 1, mask=m_h, other=0.0)
-        b_w = tl.where(b_ls > 0, tl.exp2(b_ms - b_shift), 0.0)
-        b_l += b_ls * b_w
-        m_a = m_h & (b_ls > 0)
-        b_a = tl.load(part_acc_ptr + (o_base + s)[:, None] * HEAD_DIM + o_d[None, :], mask=m_a[:, None], other=0.0)
-        b_acc += b_a * b_w[:, None]
-    o_row = tl.zeros([BLOCK_H], tl.int64) + i_r + row_offset
-    store_output(b_acc, b_m, b_l, o_row, o_h, m_h, o_d, out_ptr, gate_ptr, lse_ptr, v_scale,
-                 stride_o_row, stride_o_head, stride_g_row, stride_g_head, stride_lse_row,
-                 HAS_GATE, RETURN_LSE)
+    o_part = (i_r * Hq + i_h) * NUM_SPLITS + o_s
+    m_s = o_s < NUM_SPLITS
+    b_ms = tl.load(part_ml_ptr + o_part * 2, mask=m_s, other=float("-inf"))
+    b_ls = tl.load(part_ml_ptr + o_part * 2 + 1, mask=m_s, other=0.0)
+    # A split that attended nothing stored (-inf, 0) and no accumulator: weight 0, never read.
+    m_used = b_ls > 0
+    b_a = tl.load(part_acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], mask=m_used[:, None], other=0.0)
+    b_m = tl.max(tl.where(m_used, b_ms, float("-inf")), 0)
+    b_w = tl.where(m_used, tl.exp2(b_ms - tl.where(b_m == float("-inf"), 0.0, b_m)), 0.0)
+    b_l = tl.sum(b_ls * b_w, 0, keep_dims=True)
+    b_acc = tl.sum(b_a * b_w[:, None], 0, keep_dims=True)
+    o_one = tl.zeros([1], tl.int64)
+    store_output(b_acc, o_one.to(tl.float32) + b_m, b_l, o_one + i_r + row_offset, o_one + i_h, o_one == 0, o_d,
+                 out_ptr, gate_ptr, lse_ptr, v_scale, stride_o_row, stride_o_head, stride_g_row, stride_g_head,
+                 stride_lse_row, HAS_GATE, RETURN_LSE)

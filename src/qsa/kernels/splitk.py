@@ -2,7 +2,7 @@
 
 Each program takes one row, one KV head and one fixed-size run of the row's token list, gathers
 K/V token by token through the block table, and writes fp32 partials that ``merge_splits_kernel``
-combines in split order. Any G works (the head tile is padded to a power of two >= 16)."""
+combines in a fixed order. Any G works (the head tile is padded to a power of two >= 16)."""
 
 import triton
 import triton.language as tl
