@@ -26,12 +26,30 @@ def main() -> int:
         case.indices = idx.cuda()
         case.block_table[:, -1] = torch.tensor([2**31 - 1, -2**31, case.cache.num_blocks],
                                                dtype=torch.int32, device="cuda")[:case.block_table.shape[0]]
-        for route in ("auto", "grouped", "xqa", "splitk"):
-            out, lse = case.run(qsa.sparse_paged_attention, route=route, return_lse=True)
+        runs = [(route, {}) for route in ("auto", "grouped", "xqa", "splitk")]
+        runs.append(("xqa", dict(rows_sorted=True)))  # 77 rows: the planned kernel
+        for route, kw in runs:
+            out, lse = case.run(qsa.sparse_paged_attention, route=route, return_lse=True, **kw)
             torch.cuda.synchronize()
             ok = bool(torch.isfinite(out).all())
             bad += not ok
-            print(f"{kv_cache_dtype:9s} {route:8s} finite={ok}")
+            print(f"{kv_cache_dtype:9s} {route:8s} {kw} finite={ok}")
+        # The direct kernel (few rows, rows_sorted): wild rows as given (in-kernel sort) and sorted
+        # with negatives last (its fast path reads the row itself).
+        small = torch.arange(12, device="cuda")
+        for order in ("as given", "sorted"):
+            idx = case.indices[:12].long()
+            if order == "sorted":
+                idx = torch.sort(torch.where(idx < 0, 2**40, idx), dim=1).values
+                idx = torch.where(idx == 2**40, -1, idx)
+            out, lse = qsa.sparse_paged_attention(
+                case.q[:12], case.cache.k, case.cache.v, idx.to(torch.int32), case.block_table,
+                case.token_to_req[small], case.positions[small], case.seq_lens, kv_cache_dtype=kv_cache_dtype,
+                k_scale=case.cache.k_scale, v_scale=case.cache.v_scale, rows_sorted=True, return_lse=True)
+            torch.cuda.synchronize()
+            ok = bool(torch.isfinite(out).all())
+            bad += not ok
+            print(f"{kv_cache_dtype:9s} direct   {order} finite={ok}")
     return 1 if bad else 0
 
 

@@ -22,7 +22,7 @@ from qsa.kernels.common import merge_splits_kernel
 from qsa.kernels.grouped import grouped_attention_kernel
 from qsa.kernels.plan import grouped_plan_kernel, single_row_plan_kernel, single_row_sort_plan_kernel
 from qsa.kernels.splitk import splitk_attention_kernel
-from qsa.kernels.xqa import xqa_attention_kernel
+from qsa.kernels.xqa import xqa_attention_kernel, xqa_direct_kernel
 
 
 def compile_sm90(kernel, pointers: dict, constexprs: dict, floats=(), num_warps=4, num_stages=2,
@@ -108,9 +108,15 @@ def check_grouped_kernel(act, cache, G):
 
 
 def check_single_row_kernel(route, cache):
-    cfg = routes.xqa_config(6, 256) if route == "xqa" else routes.splitk_config(6, 256)
+    cfg = {"xqa": routes.xqa_config, "xqa-direct": routes.xqa_direct_config,
+           "splitk": routes.splitk_config}[route](6, 256)
     ptrs = _attention_pointers("fp16", cache)
-    if route == "xqa":
+    if route == "xqa-direct":
+        kernel = xqa_direct_kernel
+        ptrs.update(idx_ptr="*i32", bt_ptr="*i32", req_ptr="*i32", pos_ptr="*i64", seq_lens_ptr="*i32",
+                    scratch_ptr="*i32")
+        cx = dict(BLOCK_N=cfg.tile_tokens, BLOCK_W=routes.DIRECT_MAX_WIDTH, PREFETCH=cfg.prefetch)
+    elif route == "xqa":
         kernel = xqa_attention_kernel
         ptrs.update(ids_ptr="*i32", masks_ptr="*u8", counts_ptr="*i32")
         cx = dict(MB=cfg.tile_tokens // 4, PREFETCH=cfg.prefetch)
@@ -152,7 +158,7 @@ def main() -> int:
     for act, cache in (("fp16", "fp16"), ("bf16", "bf16"), ("fp16", "u8")):
         for G in (6, 12, 24):
             print(f"grouped {act}/{cache} G={G}: {check_grouped_kernel(act, cache, G)}")
-    for route in ("xqa", "splitk"):
+    for route in ("xqa", "xqa-direct", "splitk"):
         for cache in ("fp16", "u8"):
             print(f"{route} {cache}: {check_single_row_kernel(route, cache)}")
     check_merge_and_planner_kernels()

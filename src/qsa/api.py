@@ -56,7 +56,7 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
                    num_blocks: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                    route: str = "auto", out: AttentionPlan | None = None,
                    workspace: PlanWorkspace | None = None, order: str = "logical",
-                   max_query_len: int | None = None) -> AttentionPlan:
+                   max_query_len: int | None = None, rows_sorted: bool = False) -> AttentionPlan:
     """Choose routes and build their work lists for one batch of rows.
 
     Args:
@@ -72,6 +72,10 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
             outputs depend on page placement: a demonstration of why the order is logical.
         max_query_len: the most rows any one request has in this batch, if known on the host (1: a
             decode batch, which ``auto`` sends to xqa; see :func:`qsa.routes.choose`).
+        rows_sorted: the caller's rows are sorted as ``select_tokens`` emits them (kept tokens
+            ascending, -1 last). Then up to ``routes.DIRECT_MAX_ROWS`` xqa rows are planned inside the
+            attention kernel, not by a launch of their own. Never changes the result; a row that is not
+            sorted after all costs an in-kernel sort.
     """
     if order not in ("logical", "physical"):
         raise ValueError(f"order must be 'logical' or 'physical', got {order!r}")
@@ -80,7 +84,8 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
     check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                       num_blocks=num_blocks)
     choice = routes.choose(route, rows=indices.shape[0], G=num_q_heads // num_kv_heads, head_dim=head_dim,
-                           device=indices.device, max_query_len=max_query_len)
+                           device=indices.device, max_query_len=max_query_len, rows_sorted=rows_sorted,
+                           index_width=indices.shape[1])
     single = grouped = tokens = counts = None
     if choice.route in ("grouped", "xqa"):
         if choice.grouped_rows:
@@ -90,7 +95,7 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
                                   workspace=workspace)
             if order == "physical":
                 grouped = physical_order(grouped)
-        if choice.grouped_rows < indices.shape[0]:
+        if choice.grouped_rows < indices.shape[0] and not choice.direct:
             single = plan_single_rows(indices, block_table, token_to_req, positions, seq_lens,
                                       block_size=block_size, num_blocks=num_blocks,
                                       out=out.single if out is not None else None, row_start=choice.grouped_rows)
@@ -189,7 +194,10 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
     else:
         if plan.grouped is not None:
             attention.grouped_attention(q, k_cache, v_cache, plan.grouped, **kw)
-        if plan.single is not None:
+        if choice.direct:
+            attention.xqa_direct_attention(q, k_cache, v_cache, *plan.inputs, row_start=choice.grouped_rows,
+                                           config=routes.xqa_direct_config(hq // hkv, d), **kw)
+        elif plan.single is not None:
             attention.xqa_attention(q, k_cache, v_cache, plan.single, row_start=choice.grouped_rows, **kw)
     return (out, lse) if return_lse else out
 
@@ -197,7 +205,7 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
 def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, *,
                            gate=None, kv_cache_dtype: str = "auto", k_scale=1.0, v_scale=1.0,
                            softmax_scale=None, out=None, return_lse: bool = False, route: str = "auto",
-                           max_query_len: int | None = None):
+                           max_query_len: int | None = None, rows_sorted: bool = False):
     """Sparse attention of each row over its selected tokens of a paged KV cache.
 
     Row ``r`` attends the set ``T_r = {t in indices[r] : t >= 0, t < seq_lens[req], t <= positions[r],
@@ -225,6 +233,9 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
         route: "auto", "grouped", "xqa", "splitk" or "reference" (see :mod:`qsa.routes`).
         max_query_len: the most rows any one request has here, if known on the host (1: decode;
             ``auto`` then takes xqa). Changes only which kernel runs, never the token sets.
+        rows_sorted: each row of ``indices`` holds its kept tokens ascending and dropped entries last
+            (as ``select_tokens`` emits them): small xqa batches then skip the plan launch. Changes
+            only which kernel runs, never the result.
 
     Returns:
         ``out`` (q's dtype), or ``(out, lse)`` with ``return_lse``.
@@ -242,7 +253,8 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
             raise ValueError(f"{name} must be on {q.device}, got {t.device}")
     plan = plan_attention(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                           num_blocks=num_blocks, num_q_heads=q.shape[1], num_kv_heads=hkv,
-                          head_dim=q.shape[2], route=route, max_query_len=max_query_len)
+                          head_dim=q.shape[2], route=route, max_query_len=max_query_len,
+                          rows_sorted=rows_sorted)
     return run_attention(plan, q, k_cache, v_cache, gate=gate, kv_cache_dtype=kv_cache_dtype,
                          k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale, out=out,
                          return_lse=return_lse)

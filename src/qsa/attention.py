@@ -127,6 +127,51 @@ def xqa_attention(q, k, v, plan: SingleRowPlan, *, row_start: int, out, lse, gat
                num_splits=splits)
 
 
+def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions, seq_lens, *, row_start: int,
+                         out, lse, gate, softmax_scale, k_scale, v_scale, kv_fp8: bool,
+                         config: routes.SplitConfig | None = None, num_splits: int | None = None,
+                         scratch: torch.Tensor | None = None) -> None:
+    """Rows ``[row_start, rows)`` of ``out`` (and ``lse``) straight from ``indices``: no plan launch.
+
+    ``scratch`` (``[rows, >= next_pow2(W)]`` int32, allocated when None) receives the lists of rows that
+    are not sorted; the rows of sorted ones are left untouched."""
+    from .kernels.xqa import xqa_direct_kernel
+
+    rows, hq, d = q.shape
+    n = rows - row_start
+    if n <= 0:
+        return
+    hkv = k.shape[2]
+    G = hq // hkv
+    width = indices.shape[1]
+    cfg = config or routes.xqa_config(G, d)
+    block_w = max(16, next_pow2(width))
+    splits = num_splits or routes.split_count(n * hkv, max(1, -(-width // cfg.tile_tokens)), cfg.programs_per_sm,
+                                              q.device)
+    strides, g, lse_t = _common(q, k, v, out, gate, lse)
+    if scratch is None:
+        scratch = torch.empty((rows, block_w), dtype=torch.int32, device=q.device)
+    elif scratch.dtype != torch.int32 or scratch.shape[0] != rows or scratch.shape[1] < block_w \
+            or scratch.stride(1) != 1:
+        raise ValueError(f"scratch must be a [{rows}, >= {block_w}] int32 tensor, got {tuple(scratch.shape)}")
+    part_acc, part_ml = _partials(n, hq, splits, d, q.device) if splits > 1 else (out, out)
+    xqa_direct_kernel[(n, hkv, splits)](
+        q, k, v, indices, block_table, token_to_req, positions, seq_lens, scratch, g, out, lse_t,
+        part_acc, part_ml, row_start, width, block_table.shape[0], block_table.shape[1], k.shape[0], hq,
+        qk_scale_log2(softmax_scale, k_scale), float(v_scale),
+        stride_idx_row=indices.stride(0), stride_scratch_row=scratch.stride(0), stride_bt=block_table.stride(0),
+        **strides,
+        G=G, BLOCK_G=max(16, next_pow2(G)), BLOCK_N=cfg.tile_tokens, BLOCK_W=block_w, NUM_SPLITS=splits,
+        PREFETCH=cfg.prefetch, HEAD_DIM=d, BLOCK_SIZE=k.shape[1], KV_FP8=kv_fp8,
+        SAME_KV_STRIDES=same_kv_strides(k, v), DOT_DTYPE=_dot_dtype(q),
+        HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if splits > 1:
+        _merge(part_acc, part_ml, out=out, lse=lse, gate=gate, row_offset=row_start, v_scale=v_scale,
+               num_splits=splits)
+
+
 def splitk_attention(q, k, v, tokens, counts, block_table, token_to_req, *, block_size: int, out, lse,
                      gate, softmax_scale, k_scale, v_scale, kv_fp8: bool,
                      config: routes.SplitConfig | None = None, num_splits: int | None = None) -> None:

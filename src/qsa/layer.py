@@ -400,7 +400,7 @@ class QSAAttention(nn.Module):
                                    num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
                                    head_dim=c.head_dim, route=meta.route, out=meta.plan,
                                    workspace=self._workspace(meta, indices), order=meta.plan_order,
-                                   max_query_len=meta.max_query_len)
+                                   max_query_len=meta.max_query_len, rows_sorted=True)
         if meta.attn_out is None or meta.attn_out.shape != q.shape or meta.attn_out.dtype != q.dtype:
             meta.attn_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         return run_attention(meta.plan, q, cache.k, cache.v, gate=gate, out=meta.attn_out, **kw)

@@ -11,6 +11,12 @@ Routes:
 ``GROUPED_MIN_ROWS`` rows, the shape is supported and the batch is not known to be pure decode (one row
 per request), the remaining rows to ``xqa``, and falls back to ``splitk`` for shapes the page4 routes
 do not take. The reason a route is refused is logged once.
+
+xqa rows run one of two kernels: with a single-row plan built by its own launch, or, when the caller
+says the rows are sorted (``rows_sorted``: ascending kept tokens, dropped entries last, as
+``select_tokens`` emits them) and there are at most ``DIRECT_MAX_ROWS`` of them, "direct": each
+program reads its row's list straight from ``indices`` (one launch fewer). Outputs never depend on the
+hint; a row that is not sorted after all is sorted inside the direct kernel, correctly but slowly.
 """
 
 from __future__ import annotations
@@ -29,6 +35,10 @@ GROUP_ROWS = 8
 GROUPED_MIN_ROWS = 64
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_TILE_ROWS = 128
+DIRECT_MAX_ROWS = 64
+"""Most xqa rows the direct kernel takes (at 256 decode rows the planned kernel measured faster)."""
+DIRECT_MAX_WIDTH = 4096
+"""Widest ``indices`` row the direct kernel holds in registers."""
 """Largest matrix-row tile (rows x heads, or heads) a page4 program holds."""
 
 _logged: set[str] = set()
@@ -71,6 +81,7 @@ class RoutePlan:
     route: str
     grouped_rows: int
     group_rows: int = GROUP_ROWS
+    direct: bool = False  # xqa rows read their lists straight from ``indices`` (no single-row plan)
 
 
 def grouped_config(G: int, head_dim: int) -> GroupedConfig:
@@ -98,6 +109,13 @@ def xqa_config(G: int, head_dim: int) -> SplitConfig:
     # the xqa kernel took 0.144 ms for decode-256 (0.160 ms with one buffer of 64 tokens), 0.056 ms for
     # decode-64 (0.060) and 0.020 ms for mtp-8 (0.021), benchmarks/results/tune-2026-11-29-2027.
     return SplitConfig(tile_tokens=32, num_warps=4, num_stages=4, programs_per_sm=1, prefetch=True)
+
+
+def xqa_direct_config(G: int, head_dim: int) -> SplitConfig:
+    # 32-token tiles, 3 stages, about two programs per SM: on the H200 the direct kernel plus merge took
+    # 20.2 us for mtp-8, 23.1 us for mtp-16 and 16.7 us for decode-1 (xqa with its plan launch: 32.4,
+    # 36.6 and 31.0 us), docs/perf-notes.md.
+    return SplitConfig(tile_tokens=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch=False)
 
 
 def splitk_config(G: int, head_dim: int) -> SplitConfig:
@@ -159,18 +177,24 @@ def max_query_len_of(token_to_req) -> int | None:
 
 
 def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device,
-           max_query_len: int | None = None) -> RoutePlan:
+           max_query_len: int | None = None, rows_sorted: bool = False,
+           index_width: int | None = None) -> RoutePlan:
     """Admission: map a requested route to the rows each kernel takes.
 
     ``max_query_len`` is the most rows any one request has in the batch, when the caller knows it (a
     host integer; serving engines track it). At 1, a pure decode batch, no two rows of a group share a
     request, so grouping shares no K/V load and ``auto`` takes xqa.
 
+    ``rows_sorted`` (with ``index_width``, the columns of ``indices``) lets xqa rows take the direct
+    kernel (see the module docstring); it changes which kernel runs, never the result.
+
     A forced route that cannot run raises ValueError; ``auto`` falls back and logs why once.
     """
     if max_query_len is not None and (isinstance(max_query_len, bool) or not isinstance(max_query_len, int)
                                       or max_query_len < 1):
         raise ValueError(f"max_query_len must be None or an int >= 1, got {max_query_len!r}")
+    if not isinstance(rows_sorted, bool):
+        raise TypeError(f"rows_sorted must be a bool, got {type(rows_sorted).__name__}")
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     if route == "reference":
@@ -189,13 +213,17 @@ def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device
     if route in ("grouped", "xqa"):
         if refusal is not None:
             raise ValueError(f"route={route!r} cannot run: {refusal}")
-        return RoutePlan(route, rows if route == "grouped" else 0)
-    if refusal is not None:
+        grouped_rows = rows if route == "grouped" else 0
+    elif refusal is not None:
         log_once(f"qsa: page4 routes refused ({refusal}); using splitk")
         return RoutePlan("splitk", 0)
-    if rows < GROUPED_MIN_ROWS or max_query_len == 1:
-        return RoutePlan("xqa", 0)
-    return RoutePlan("grouped", rows // GROUP_ROWS * GROUP_ROWS)
+    elif rows < GROUPED_MIN_ROWS or max_query_len == 1:
+        route, grouped_rows = "xqa", 0
+    else:
+        route, grouped_rows = "grouped", rows // GROUP_ROWS * GROUP_ROWS
+    direct = (rows_sorted and 0 < rows - grouped_rows <= DIRECT_MAX_ROWS
+              and index_width is not None and next_pow2(max(index_width, 1)) <= DIRECT_MAX_WIDTH)
+    return RoutePlan(route, grouped_rows, direct=direct)
 
 
 MAX_SPLITS = 32

@@ -126,7 +126,7 @@ def _attend(step: StepInputs, kv, table, indices, route: str, order: str = "logi
     plan = plan_attention(indices, table, step.token_to_req, step.positions, step.seq_lens,
                           block_size=kv.shape[2], num_blocks=kv.shape[0], num_q_heads=step.q.shape[1],
                           num_kv_heads=kv.shape[3], head_dim=step.q.shape[2], route=route, order=order,
-                          max_query_len=max_query_len)
+                          max_query_len=max_query_len, rows_sorted=True)
     return run_attention(plan, step.q, kv[:, 0], kv[:, 1], gate=step.gate, kv_cache_dtype=step.kv_cache_dtype,
                          k_scale=step.k_scale, v_scale=step.v_scale, return_lse=True)
 
@@ -278,7 +278,8 @@ class Verifier:
             holder["plan"] = plan_attention(idx, static["block_table"], s.token_to_req, s.positions, s.seq_lens,
                                             block_size=bs, num_blocks=nb, num_q_heads=hq, num_kv_heads=hkv,
                                             head_dim=d, route=self.route, order=self.order, out=holder.get("plan"),
-                                            workspace=holder.get("workspace"), max_query_len=self.max_query_len)
+                                            workspace=holder.get("workspace"), max_query_len=self.max_query_len,
+                                            rows_sorted=True)
             out, lse = run_attention(holder["plan"], s.q, static["kv"][:, 0], static["kv"][:, 1], gate=s.gate,
                                      kv_cache_dtype=s.kv_cache_dtype, k_scale=s.k_scale, v_scale=s.v_scale,
                                      out=holder["out"], return_lse=True)

@@ -1,11 +1,15 @@
-"""Single-row page4 ("XQA") attention: all G query heads of a KV head in one tile, the row's
-microblock list cut at fixed positions into splits, partials merged in split order by
-``merge_splits_kernel``."""
+"""Single-row ("XQA") attention: all G query heads of a KV head in one tile, the row's list cut at
+fixed positions into splits, partials combined by ``merge_splits_kernel``.
+
+Two kernels: ``xqa_attention_kernel`` reads the page4 single-row plan (microblocks, built by the
+planner's own launch); ``xqa_direct_kernel`` builds each row's token list from ``indices`` itself, for
+small batches whose rows come sorted (no plan launch)."""
 
 import triton
 import triton.language as tl
 
 from .common import attend_tile, load_kv_tile, split_range, store_output, store_partial
+from .plan import INT32_MAX, _row_setup
 
 
 @triton.jit
@@ -103,6 +107,166 @@ def xqa_attention_kernel(
         b_k = load_kv_tile(k_ptr, o_ktok, o_d, m_used, KV_FP8, DOT_DTYPE)
         b_v = load_kv_tile(v_ptr, o_vtok, o_d, m_used, KV_FP8, DOT_DTYPE)
         m_attend = m_used[None, :] & m_row[:, None]
+        b_m, b_l, b_acc = attend_tile(b_q, b_k, b_v, m_attend, b_m, b_l, b_acc, qk_scale, DOT_DTYPE)
+
+    if NUM_SPLITS == 1:
+        store_output(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, out_ptr, gate_ptr, lse_ptr, v_scale,
+                     stride_o_row, stride_o_head, stride_g_row, stride_g_head, stride_lse_row,
+                     HAS_GATE, RETURN_LSE)
+    else:
+        store_partial(b_acc, b_m, b_l, o_row - row_offset, o_head, m_row, o_d, i_split,
+                      part_acc_ptr, part_ml_ptr, Hq, NUM_SPLITS, HEAD_DIM)
+
+
+@triton.jit
+def _direct_row_list(
+    idx_ptr,  # [rows, W] int32 token indices
+    req_ptr,
+    pos_ptr,
+    seq_lens_ptr,
+    scratch_ptr,  # [rows, >= BLOCK_W] int32
+    i_r,
+    W,
+    num_reqs,
+    max_blocks,
+    stride_idx_row,
+    stride_scratch_row,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_W: tl.constexpr,  # power of two >= W
+):
+    """(pointer to the row's list, its length, request): the row's distinct tokens that
+    pass the checks not involving the block table, ascending.
+
+    A row that already ascends (as ``select_tokens`` emits it: kept tokens strictly ascending, dropped
+    entries only at the end) is its own list: nothing is written. Any other row is sorted, its
+    duplicates dropped, and the list written to the row's scratch row; every program of the row
+    writes the same values there. Both give the same list for the same token set.
+    """
+    req, pos, seq_len, row_ok = _row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs)
+    p_idx = idx_ptr + i_r * stride_idx_row
+    o_w = tl.arange(0, BLOCK_W)
+    b_t = tl.load(p_idx + o_w, mask=o_w < W, other=-1)
+    m_keep = row_ok & (b_t >= 0) & (b_t < seq_len) & (b_t <= pos) & (b_t // BLOCK_SIZE < max_blocks)
+    b_key = tl.where(m_keep, b_t, INT32_MAX)
+    b_prev = tl.gather(b_key, tl.maximum(o_w - 1, 0), 0)
+    m_ok = (o_w == 0) | (b_prev < b_key) | (b_key == INT32_MAX)
+    count = tl.sum(m_keep.to(tl.int32), 0)
+    p_list = p_idx
+    if tl.min(m_ok.to(tl.int32), 0) == 0:
+        b_key = tl.sort(b_key)
+        b_prev = tl.gather(b_key, tl.maximum(o_w - 1, 0), 0)
+        m_first = (b_key != INT32_MAX) & ((o_w == 0) | (b_prev != b_key))
+        p_list = scratch_ptr + i_r * stride_scratch_row
+        tl.store(p_list + tl.cumsum(m_first.to(tl.int32), 0) - 1, b_key, mask=m_first)
+        count = tl.sum(m_first.to(tl.int32), 0)
+        tl.debug_barrier()
+    return p_list, count, req
+
+
+@triton.jit
+def xqa_direct_kernel(
+    q_ptr,  # [rows, Hq, D]
+    k_ptr,  # [num_blocks, block_size, Hkv, D]
+    v_ptr,  # [num_blocks, block_size, Hkv, D]
+    idx_ptr,  # [rows, W] int32 token indices
+    bt_ptr,  # [num_reqs, max_blocks] int32
+    req_ptr,  # [rows] int32|int64
+    pos_ptr,  # [rows] int64
+    seq_lens_ptr,  # [num_reqs] int32
+    scratch_ptr,  # [rows, >= BLOCK_W] int32 (rows not in ascending order)
+    gate_ptr,  # [rows, Hq, D] or unused
+    out_ptr,  # [rows, Hq, D]
+    lse_ptr,  # [rows, Hq] fp32 or unused
+    part_acc_ptr,  # [n, Hq, NUM_SPLITS, D] fp32 or unused
+    part_ml_ptr,  # [n, Hq, NUM_SPLITS, 2] fp32 or unused
+    row_offset,  # rows [row_offset, row_offset + n) are computed by this launch
+    W,
+    num_reqs,
+    max_blocks,
+    num_blocks,
+    Hq,
+    qk_scale,
+    v_scale,
+    stride_q_row,
+    stride_q_head,
+    stride_k_block,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_block,
+    stride_v_tok,
+    stride_v_head,
+    stride_idx_row,
+    stride_scratch_row,
+    stride_bt,
+    stride_o_row,
+    stride_o_head,
+    stride_g_row,
+    stride_g_head,
+    stride_lse_row,
+    G: tl.constexpr,  # query heads per KV head
+    BLOCK_G: tl.constexpr,  # power of two >= max(G, 16)
+    BLOCK_N: tl.constexpr,  # tokens per K/V tile
+    BLOCK_W: tl.constexpr,  # power of two >= W
+    NUM_SPLITS: tl.constexpr,  # each row's tiles are cut into this many near-equal runs
+    PREFETCH: tl.constexpr,  # load the next tile's tokens and pages one iteration ahead
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    """xqa without a planner launch: each program builds its row's token list from ``indices`` (see
+    ``_direct_row_list``), takes its split of the list's tiles, and gathers K/V token by token
+    through the block table, dropping tokens whose table entry is not a block of the cache."""
+    i_local = tl.program_id(0).to(tl.int64)
+    i_kvh = tl.program_id(1).to(tl.int64)
+    i_split = tl.program_id(2)
+    i_r = i_local + row_offset
+
+    o_m = tl.arange(0, BLOCK_G)
+    o_head = i_kvh * G + o_m
+    m_row = o_m < G
+    o_row = tl.zeros([BLOCK_G], tl.int64) + i_r
+    o_d = tl.arange(0, HEAD_DIM)
+    p_list, count, req = _direct_row_list(idx_ptr, req_ptr, pos_ptr, seq_lens_ptr, scratch_ptr, i_r, W,
+                                          num_reqs, max_blocks, stride_idx_row, stride_scratch_row, BLOCK_SIZE,
+                                          BLOCK_W)
+    p_bt = bt_ptr + req * stride_bt
+    p_q = q_ptr + i_r * stride_q_row + o_head[:, None] * stride_q_head + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_row[:, None], other=0).to(DOT_DTYPE)
+
+    o_n = tl.arange(0, BLOCK_N)
+    tile_start, tile_end = split_range(tl.cdiv(count, BLOCK_N), i_split, NUM_SPLITS)
+    b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    b_l = tl.zeros([BLOCK_G], tl.float32)
+    b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    if PREFETCH:
+        o_e = tile_start * BLOCK_N + o_n
+        b_t_next = tl.load(p_list + o_e, mask=o_e < count, other=0)
+        b_phys_next = tl.load(p_bt + b_t_next // BLOCK_SIZE, mask=o_e < count, other=-1)
+    for i_t in range(tile_start, tile_end):
+        o_e = i_t * BLOCK_N + o_n
+        if PREFETCH:
+            b_t = b_t_next
+            b_phys = b_phys_next
+            m_next = o_e + BLOCK_N < count
+            b_t_next = tl.load(p_list + o_e + BLOCK_N, mask=m_next, other=0)
+            b_phys_next = tl.load(p_bt + b_t_next // BLOCK_SIZE, mask=m_next, other=-1)
+        else:
+            b_t = tl.load(p_list + o_e, mask=o_e < count, other=0)
+            b_phys = tl.load(p_bt + b_t // BLOCK_SIZE, mask=o_e < count, other=-1)
+        m_n = (o_e < count) & (b_phys >= 0) & (b_phys < num_blocks)
+        b_phys = b_phys.to(tl.int64)
+        o_ktok = b_phys * stride_k_block + (b_t % BLOCK_SIZE) * stride_k_tok + i_kvh * stride_k_head
+        if SAME_KV_STRIDES:
+            o_vtok = o_ktok
+        else:
+            o_vtok = b_phys * stride_v_block + (b_t % BLOCK_SIZE) * stride_v_tok + i_kvh * stride_v_head
+        b_k = load_kv_tile(k_ptr, o_ktok, o_d, m_n, KV_FP8, DOT_DTYPE)
+        b_v = load_kv_tile(v_ptr, o_vtok, o_d, m_n, KV_FP8, DOT_DTYPE)
+        m_attend = m_n[None, :] & m_row[:, None]
         b_m, b_l, b_acc = attend_tile(b_q, b_k, b_v, m_attend, b_m, b_l, b_acc, qk_scale, DOT_DTYPE)
 
     if NUM_SPLITS == 1:

@@ -1,0 +1,126 @@
+"""The direct xqa kernel (each row's list built inside the attention kernel from ``indices``): exact
+against the references on sorted rows (its fast path) and on any other rows (its in-kernel sort),
+bitwise the same for both orders and under page moves, and chosen only where admission says."""
+
+import pytest
+import torch
+
+import qsa
+from qsa import attention, routes
+from qsa.cache import random_mapping
+from qsa.reference import assert_close_like_torch, make_attention_case, reference_attention
+
+from test_attention import _assert_bitwise
+
+
+def ascending_rows(indices: torch.Tensor) -> torch.Tensor:
+    """Each row as ``select_tokens`` orders it: distinct non-negative entries ascending, then -1."""
+    big = torch.iinfo(torch.int64).max
+    key = torch.sort(torch.where(indices < 0, big, indices.long()), dim=1).values
+    dup = torch.zeros_like(key, dtype=torch.bool)
+    dup[:, 1:] = key[:, 1:] == key[:, :-1]
+    key = torch.sort(torch.where(dup, big, key), dim=1).values
+    return torch.where(key == big, -1, key).to(torch.int32)
+
+
+def run_direct(case, *, splits=1, scratch=None, indices=None, **kw):
+    c = case.cache
+    out = torch.full_like(case.q, float("nan"))
+    lse = torch.full(case.q.shape[:2], float("nan"), dtype=torch.float32)
+    k, v = (c.k.view(torch.uint8), c.v.view(torch.uint8)) if c.kv_cache_dtype == "fp8_e4m3" else (c.k, c.v)
+    attention.xqa_direct_attention(
+        case.q, k, v, case.indices if indices is None else indices, case.block_table, case.token_to_req,
+        case.positions, case.seq_lens, row_start=0, out=out, lse=lse, gate=case.gate,
+        softmax_scale=case.q.shape[2] ** -0.5, k_scale=c.k_scale, v_scale=c.v_scale,
+        kv_fp8=c.kv_cache_dtype == "fp8_e4m3", num_splits=splits, scratch=scratch,
+        config=routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2), **kw)
+    return out, lse
+
+
+def check(case, got):
+    ref, ref_lse = case.run(reference_attention, compute_dtype=torch.float64)
+    low, low_lse = case.run(reference_attention, compute_dtype=case.q.dtype)
+    assert_close_like_torch(got[0], ref, low, lse=got[1], ref_lse=ref_lse, torch_lse=low_lse, name="xqa-direct")
+
+
+@pytest.mark.parametrize("order", ["sorted", "as-given"])
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [(torch.float16, "auto"), (torch.bfloat16, "auto"),
+                                                  (torch.float16, "fp8_e4m3")])
+def test_direct_matches_reference(order, dtype, kv_cache_dtype):
+    """Messy rows (duplicates, -1, tokens past the position, the length and the table, table entries -1
+    and past the cache, padding rows), as given and sorted; splits merged."""
+    case = make_attention_case(rows=13, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=40,
+                               max_seq_len=150, dtype=dtype, kv_cache_dtype=kv_cache_dtype, with_gate=True,
+                               seed=21)
+    if order == "sorted":
+        case.indices = ascending_rows(case.indices)
+    for splits in (1, 3):
+        check(case, run_direct(case, splits=splits))
+
+
+def test_sorted_rows_take_the_fast_path():
+    """The scratch rows of sorted rows are never written; those of other rows hold their sorted lists.
+    (A kernel that always sorted would write every row; one that never did would miscount duplicates.)"""
+    case = make_attention_case(rows=8, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=24,
+                               max_seq_len=100, padding_rows=0, seed=22)
+    idx = ascending_rows(case.indices)
+    unsorted = [1, 4]
+    for r in unsorted:
+        idx[r] = idx[r].flip(0)
+    scratch = torch.full((8, 32), -7, dtype=torch.int32)
+    got = run_direct(case, indices=idx, scratch=scratch)
+    case.indices = idx
+    check(case, got)
+    for r in range(8):
+        touched = bool((scratch[r] != -7).any())
+        assert touched == (r in unsorted), (r, scratch[r])
+
+
+def test_direct_is_bitwise_deterministic():
+    """Sorted vs shuffled rows (fast path vs in-kernel sort), repeats, and page moves: the same bits."""
+    case = make_attention_case(rows=10, num_reqs=3, num_q_heads=6, num_kv_heads=1, head_dim=32, width=48,
+                               max_seq_len=160, with_gate=True, seed=23)
+    case.indices = ascending_rows(case.indices)
+    base = run_direct(case, splits=2)
+    _assert_bitwise(base, run_direct(case, splits=2), "repeat")
+    g = torch.Generator().manual_seed(24)
+    _assert_bitwise(base, run_direct(case.with_permuted_indices(g), splits=2), "shuffled rows")
+    mapping = random_mapping(case.cache.num_blocks, generator=g)
+    _assert_bitwise(base, run_direct(case.relocated(mapping), splits=2), "relocation")
+
+
+def test_admission_of_the_direct_kernel():
+    cpu = torch.device("cpu")
+    kw = dict(G=6, head_dim=256, device=cpu, index_width=2051)
+    choose = routes.choose
+    assert choose("xqa", rows=16, rows_sorted=True, **kw).direct
+    assert choose("auto", rows=1, rows_sorted=True, **kw).direct
+    assert not choose("xqa", rows=16, **kw).direct  # no hint
+    assert not choose("xqa", rows=routes.DIRECT_MAX_ROWS + 1, rows_sorted=True, **kw).direct
+    assert not choose("xqa", rows=4, rows_sorted=True, **{**kw, "index_width": 4097}).direct
+    mixed = choose("auto", rows=69, rows_sorted=True, **kw)
+    assert (mixed.route, mixed.grouped_rows, mixed.direct) == ("grouped", 64, True)
+    assert not choose("auto", rows=64, rows_sorted=True, **kw).direct  # no row left to xqa
+    assert not choose("splitk", rows=4, rows_sorted=True, **kw).direct
+    with pytest.raises(TypeError, match="rows_sorted"):
+        choose("xqa", rows=4, rows_sorted=1, **kw)
+
+
+def test_public_op_with_sorted_rows(monkeypatch):
+    """Through plan/run: no single-row plan is built, the rows left over by grouping take the direct
+    kernel at their offset, and the result matches the hint-free route bit for bit where the kernels
+    agree on the list (the reference check) and the references everywhere."""
+    case = make_attention_case(rows=69, num_reqs=4, num_q_heads=2, num_kv_heads=1, head_dim=16, width=12,
+                               seed=25)
+    case.indices = ascending_rows(case.indices)
+    plan = qsa.plan_attention(case.indices, case.block_table, case.token_to_req, case.positions,
+                              case.seq_lens, block_size=16, num_blocks=case.cache.num_blocks,
+                              num_q_heads=2, num_kv_heads=1, head_dim=16, rows_sorted=True)
+    assert plan.routes.direct and plan.single is None and plan.routes.grouped_rows == 64
+    out = torch.full_like(case.q, float("nan"))
+    got = case.run(qsa.sparse_paged_attention, rows_sorted=True, out=out, return_lse=True)
+    check(case, got)
+    small = make_attention_case(rows=7, num_reqs=2, num_q_heads=4, num_kv_heads=2, head_dim=16, width=20,
+                                with_gate=True, seed=26)
+    monkeypatch.setattr(routes, "split_count", lambda programs, max_tiles, per_sm, device: 2)
+    check(small, small.run(qsa.sparse_paged_attention, route="xqa", rows_sorted=True, return_lse=True))
