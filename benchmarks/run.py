@@ -326,8 +326,10 @@ class Suite:
 
         torch = self.torch
         cache = w.cache
+        # The scenarios' rows are sorted as select_tokens emits them, and the caller says so, as the
+        # layer does: small xqa batches then take the direct kernel.
         plan_kw = dict(block_size=cache.block_size, num_blocks=cache.num_blocks, num_q_heads=scn.num_q_heads,
-                       num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route=route)
+                       num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route=route, rows_sorted=True)
         plan_in = (w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens)
         plan = qsa.plan_attention(*plan_in, **plan_kw)
         ws = self._workspace(plan)

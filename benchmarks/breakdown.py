@@ -1,0 +1,108 @@
+"""Where a route's time goes: the kernels of one plan + run step, each timed inside CUDA-graph replays.
+
+For each scenario and route, the step (``plan_attention`` into fixed buffers, then ``run_attention``)
+is captured in a CUDA graph; the graph is replayed with the L2 flushed before each replay, as
+``qsa bench`` times it, and the PyTorch profiler records every kernel of the replays. The table lists
+each kernel's median duration per step next to the replay's median wall time (the rest is launch gaps
+and dependencies between the kernels).
+
+    python -m benchmarks.breakdown decode-64 mtp-8 --route xqa --route splitk --out /tmp/breakdown
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from collections import defaultdict
+
+import torch
+
+from qsa import plan_attention, run_attention
+
+from .generators import attention_workload
+from .registry import SCENARIOS
+from .timing import Timer
+
+
+def step_fn(scn, w, route: str):
+    """plan + run of ``route`` into fixed buffers, as the benchmark times it."""
+    from qsa.plan import PlanWorkspace
+
+    c = w.cache
+    plan_kw = dict(block_size=c.block_size, num_blocks=c.num_blocks, num_q_heads=scn.num_q_heads,
+                   num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route=route, rows_sorted=True)
+    plan_in = (w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens)
+    plan = plan_attention(*plan_in, **plan_kw)
+    ws = None
+    if plan.grouped is not None:
+        ws = PlanWorkspace.for_plan(w.block_table, block_size=c.block_size, num_groups=plan.grouped.num_groups)
+    out = torch.empty_like(w.q)
+
+    def fn():
+        p = plan_attention(*plan_in, **plan_kw, out=plan, workspace=ws)
+        run_attention(p, w.q, c.k, c.v, out=out, **w.cache_kwargs)
+
+    return fn
+
+
+def kernel_times(timer: Timer, fn, reps: int) -> tuple[dict, float]:
+    """(median ms per step of each kernel name, median replay ms)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    g = timer.capture(fn)
+    wall = timer._time_replays(g).median_ms
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            timer.flush_l2()
+            g.replay()
+        torch.cuda.synchronize()
+    per_name = defaultdict(list)
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA and "zero" not in ev.name.lower() \
+                and "fill" not in ev.name.lower():
+            per_name[ev.name].append(ev.device_time_total / 1e3)
+    out = {}
+    for name, ts in per_name.items():
+        calls = max(1, round(len(ts) / reps))
+        # sum of the step's calls of that kernel, median over steps
+        per_step = [sum(ts[i * calls:(i + 1) * calls]) for i in range(len(ts) // calls)]
+        out[name] = dict(calls=calls, median_ms=statistics.median(per_step))
+    del g
+    return out, wall
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.breakdown", description=__doc__.split("\n")[0])
+    ap.add_argument("scenario", nargs="+")
+    ap.add_argument("--route", action="append", default=[])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = ap.parse_args(argv)
+    by_name = {s.name: s for s in SCENARIOS}
+    timer = Timer("cuda")
+    records = []
+    for name in args.scenario:
+        scn = by_name[name]
+        w = attention_workload(scn, torch.device("cuda"))
+        for route in args.route or ["auto"]:
+            kernels, wall = kernel_times(timer, step_fn(scn, w, route), args.reps)
+            records.append(dict(scenario=name, route=route, replay_ms=wall, kernels=kernels))
+            print(f"\n{name} {route}: replay {wall * 1e3:.1f} us, kernels "
+                  f"{sum(k['median_ms'] for k in kernels.values()) * 1e3:.1f} us")
+            for kname, k in sorted(kernels.items(), key=lambda kv: -kv[1]["median_ms"]):
+                print(f"  {k['median_ms'] * 1e3:8.1f} us  x{k['calls']}  {kname[:90]}")
+        del w
+        torch.cuda.empty_cache()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "breakdown.json"), "w") as f:
+        json.dump(dict(device=torch.cuda.get_device_name(), records=records), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
