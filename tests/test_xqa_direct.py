@@ -124,3 +124,28 @@ def test_public_op_with_sorted_rows(monkeypatch):
                                 with_gate=True, seed=26)
     monkeypatch.setattr(routes, "split_count", lambda programs, max_tiles, per_sm, device: 2)
     check(small, small.run(qsa.sparse_paged_attention, route="xqa", rows_sorted=True, return_lse=True))
+
+
+@pytest.mark.parametrize("shape", [
+    dict(num_q_heads=12, num_kv_heads=1, head_dim=64, block_size=4, layout="separate"),
+    dict(num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=32, layout="interleaved"),
+    dict(num_q_heads=2, num_kv_heads=2, head_dim=16, block_size=784, layout="interleaved"),
+])
+@pytest.mark.parametrize("order", ["sorted", "as-given"])
+def test_direct_shapes_layouts_and_block_sizes(shape, order):
+    case = make_attention_case(rows=11, num_reqs=2, width=20, max_seq_len=120, seed=27, **shape)
+    if order == "sorted":
+        case.indices = ascending_rows(case.indices)
+    out = torch.full_like(case.q, float("nan"))
+    got = case.run(qsa.sparse_paged_attention, route="xqa", rows_sorted=True, out=out, return_lse=True)
+    check(case, got)
+
+
+@pytest.mark.parametrize("width", [0, 1, 3])
+def test_direct_narrow_rows(width):
+    """Index rows narrower than a tile (and empty): padding lanes of the row load are never kept."""
+    case = make_attention_case(rows=6, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=max(width, 1),
+                               seed=28)
+    case.indices = ascending_rows(case.indices)[:, :width].contiguous()
+    got = case.run(qsa.sparse_paged_attention, route="xqa", rows_sorted=True, return_lse=True)
+    check(case, got)
