@@ -37,9 +37,11 @@ PLANNER = [  # grouped planner: quads per row step, scan step, num_warps, progra
       for q, s, w, p in ((64, 2048, 8, 4), (64, 1024, 4, 8), (32, 1024, 4, 8), (128, 2048, 8, 4),
                          (64, 4096, 8, 4), (64, 2048, 4, 8), (128, 4096, 8, 2), (32, 512, 4, 16))),
 ]
-SPLIT = [  # tile_tokens, num_warps, num_stages, programs_per_sm, prefetch (splitk sweeps the first three)
+SPLIT = [  # tile_tokens, num_warps, num_stages, programs_per_sm, prefetch (splitk sweeps the first three; the
+    # direct xqa kernel sweeps them all on workloads of at most routes.DIRECT_MAX_ROWS rows)
     (64, 4, 2, 1, False), (64, 4, 2, 3, False), (64, 4, 3, 1, False), (64, 4, 3, 1, True), (32, 4, 4, 1, True),
     (32, 4, 3, 2, True), (32, 4, 4, 2, True), (64, 8, 3, 1, True), (32, 8, 4, 1, True), (16, 4, 4, 2, True),
+    (32, 4, 3, 2, False),
 ]
 
 
@@ -186,6 +188,22 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
         return run_attention(p, q, c.k, c.v, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
                              v_scale=c.v_scale, out=out)
     record(scn.name, "xqa-total", "default", xqa_total, check)
+    if rows <= routes.DIRECT_MAX_ROWS:
+        for setting in split_settings:  # the direct kernel (+ merge): its own row lists, no plan launch
+            cfg = routes.SplitConfig(*setting)
+
+            def run_direct(cfg=cfg):
+                attention.xqa_direct_attention(q, c.k, c.v, w.indices, w.block_table, w.token_to_req,
+                                               w.positions, w.seq_lens, row_start=0, config=cfg, **kw)
+                return out
+            record(scn.name, "direct-attn", setting, run_direct, check)
+        direct_plan = plan_attention(**inputs, **shape, route="xqa", rows_sorted=True)
+
+        def direct_total():
+            p = plan_attention(**inputs, **shape, route="xqa", rows_sorted=True, out=direct_plan)
+            return run_attention(p, q, c.k, c.v, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
+                                 v_scale=c.v_scale, out=out)
+        record(scn.name, "direct-total", "default", direct_total, check)
     tokens_plan = plan_attention(**{k: v for k, v in inputs.items()}, num_q_heads=scn.num_q_heads,
                                  num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route="splitk")
     for setting in split_settings[:3]:

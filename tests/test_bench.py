@@ -353,7 +353,8 @@ def test_tune_smoke_checks_and_times_every_setting(tmp_path, monkeypatch):
     records = json.load(open(tmp_path / "tune.json"))["records"]
     assert records and all(r["error"] is None and r["median_ms"] > 0 for r in records), records
     whats = {r["what"] for r in records}
-    assert {"plan-single", "plan-grouped", "grouped-attn", "xqa-attn", "splitk-attn"} <= whats
+    assert {"plan-single", "plan-grouped", "grouped-attn", "xqa-attn", "splitk-attn", "direct-attn",
+            "direct-total"} <= whats
     layouts = {r["setting"][-1] for r in records if r["what"] == "plan-grouped" and r["setting"] != "-"}
     assert layouts == {"nibbles", "rows"}
 
