@@ -195,8 +195,7 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
         if plan.grouped is not None:
             attention.grouped_attention(q, k_cache, v_cache, plan.grouped, **kw)
         if choice.direct:
-            attention.xqa_direct_attention(q, k_cache, v_cache, *plan.inputs, row_start=choice.grouped_rows,
-                                           config=routes.xqa_direct_config(hq // hkv, d), **kw)
+            attention.xqa_direct_attention(q, k_cache, v_cache, *plan.inputs, row_start=choice.grouped_rows, **kw)
         elif plan.single is not None:
             attention.xqa_attention(q, k_cache, v_cache, plan.single, row_start=choice.grouped_rows, **kw)
     return (out, lse) if return_lse else out

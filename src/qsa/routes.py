@@ -35,11 +35,11 @@ GROUP_ROWS = 8
 GROUPED_MIN_ROWS = 64
 HEAD_DIMS = (16, 32, 64, 128, 256)
 MAX_TILE_ROWS = 128
+"""Largest matrix-row tile (rows x heads, or heads) a page4 program holds."""
 DIRECT_MAX_ROWS = 64
 """Most xqa rows the direct kernel takes (at 256 decode rows the planned kernel measured faster)."""
 DIRECT_MAX_WIDTH = 4096
 """Widest ``indices`` row the direct kernel holds in registers."""
-"""Largest matrix-row tile (rows x heads, or heads) a page4 program holds."""
 
 _logged: set[str] = set()
 

@@ -30,6 +30,30 @@ def load_kv_tile(
 
 
 @triton.jit
+def token_kv_offsets(
+    b_t,  # [BLOCK_N] logical tokens
+    b_phys,  # [BLOCK_N] their physical blocks
+    i_kvh,
+    stride_k_block,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_block,
+    stride_v_tok,
+    stride_v_head,
+    BLOCK_SIZE: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,  # K and V caches share their strides: one offset serves both
+):
+    """int64 element offsets of each token's K and V head rows (for :func:`load_kv_tile`)."""
+    b_phys = b_phys.to(tl.int64)
+    o_ktok = b_phys * stride_k_block + (b_t % BLOCK_SIZE) * stride_k_tok + i_kvh * stride_k_head
+    if SAME_KV_STRIDES:
+        o_vtok = o_ktok
+    else:
+        o_vtok = b_phys * stride_v_block + (b_t % BLOCK_SIZE) * stride_v_tok + i_kvh * stride_v_head
+    return o_ktok, o_vtok
+
+
+@triton.jit
 def load_kv_microblocks(
     base_ptr,  # [num_blocks, block_size, Hkv, D] cache (fp16/bf16, or uint8 E4M3)
     o_mb,  # [MB] int64 element offset of each microblock's first token's head row

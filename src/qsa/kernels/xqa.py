@@ -8,7 +8,7 @@ small batches whose rows come sorted (no plan launch)."""
 import triton
 import triton.language as tl
 
-from .common import attend_tile, load_kv_tile, split_range, store_output, store_partial
+from .common import attend_tile, load_kv_tile, split_range, store_output, store_partial, token_kv_offsets
 from .plan import INT32_MAX, _row_setup
 
 
@@ -258,12 +258,8 @@ def xqa_direct_kernel(
             b_t = tl.load(p_list + o_e, mask=o_e < count, other=0)
             b_phys = tl.load(p_bt + b_t // BLOCK_SIZE, mask=o_e < count, other=-1)
         m_n = (o_e < count) & (b_phys >= 0) & (b_phys < num_blocks)
-        b_phys = b_phys.to(tl.int64)
-        o_ktok = b_phys * stride_k_block + (b_t % BLOCK_SIZE) * stride_k_tok + i_kvh * stride_k_head
-        if SAME_KV_STRIDES:
-            o_vtok = o_ktok
-        else:
-            o_vtok = b_phys * stride_v_block + (b_t % BLOCK_SIZE) * stride_v_tok + i_kvh * stride_v_head
+        o_ktok, o_vtok = token_kv_offsets(b_t, b_phys, i_kvh, stride_k_block, stride_k_tok, stride_k_head,
+                                          stride_v_block, stride_v_tok, stride_v_head, BLOCK_SIZE, SAME_KV_STRIDES)
         b_k = load_kv_tile(k_ptr, o_ktok, o_d, m_n, KV_FP8, DOT_DTYPE)
         b_v = load_kv_tile(v_ptr, o_vtok, o_d, m_n, KV_FP8, DOT_DTYPE)
         m_attend = m_n[None, :] & m_row[:, None]
