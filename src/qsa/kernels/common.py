@@ -187,9 +187,9 @@ def store_partial(
     HEAD_DIM: tl.constexpr,
 ):
     o_part = (o_row * Hq + o_head) * NUM_SPLITS + i_split
-    # A split past the end of the row's list stores only (max, sum) = (-inf, 0); the merge skips it.
-    m_acc = m_row & (b_l > 0)
-    tl.store(part_acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], b_acc, mask=m_acc[:, None])
+    # A split past the end of the row's list stores (max, sum) = (-inf, 0) and a zero accumulator, so
+    # the merge loads every split's accumulator without waiting for the sums (and weighs that one 0).
+    tl.store(part_acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], b_acc, mask=m_row[:, None])
     tl.store(part_ml_ptr + o_part * 2, b_m, mask=m_row)
     tl.store(part_ml_ptr + o_part * 2 + 1, b_l, mask=m_row)
 
@@ -217,7 +217,7 @@ def merge_splits_kernel(
 ):
     """Combine the splits of one head of one row. All splits are loaded at once and reduced by a
     fixed tree (the same for every call of a shape), not one after another: a row's merge is one
-    round of loads, whatever the split count."""
+    round of loads (the accumulators do not wait on the sums), whatever the split count."""
     i_r = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     o_s = tl.arange(0, BLOCK_S)
@@ -226,9 +226,9 @@ def merge_splits_kernel(
     m_s = o_s < NUM_SPLITS
     b_ms = tl.load(part_ml_ptr + o_part * 2, mask=m_s, other=float("-inf"))
     b_ls = tl.load(part_ml_ptr + o_part * 2 + 1, mask=m_s, other=0.0)
-    # A split that attended nothing stored (-inf, 0) and no accumulator: weight 0, never read.
+    b_a = tl.load(part_acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], mask=m_s[:, None], other=0.0)
+    # A split that attended nothing stored (-inf, 0) and zeros: weight 0.
     m_used = b_ls > 0
-    b_a = tl.load(part_acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], mask=m_used[:, None], other=0.0)
     b_m = tl.max(tl.where(m_used, b_ms, float("-inf")), 0)
     b_w = tl.where(m_used, tl.exp2(b_ms - tl.where(b_m == float("-inf"), 0.0, b_m)), 0.0)
     b_l = tl.sum(b_ls * b_w, 0, keep_dims=True)
