@@ -193,6 +193,27 @@ def test_attention_op_matches_public_op():
     assert torch.equal(got_only, want)
 
 
+def test_attention_op_passes_the_batch_hints(monkeypatch):
+    """``max_query_len`` and ``rows_sorted`` reach the route choice through the custom op (the layer
+    under ``torch.compile`` gets the direct xqa kernel as it does eagerly), and the result is the
+    public op's, bit for bit."""
+    import qsa
+    from test_xqa_direct import ascending_rows
+
+    c = _attention_case("cpu")
+    c.indices = ascending_rows(c.indices)
+    seen = []
+    choose = routes.choose
+    monkeypatch.setattr(routes, "choose", lambda *a, **kw: seen.append(kw) or choose(*a, **kw))
+    want = c.run(qsa.sparse_paged_attention, return_lse=True, route="xqa", max_query_len=2, rows_sorted=True)
+    got = c.run(ops.sparse_paged_attention, return_lse=True, route="xqa", max_query_len=2, rows_sorted=True)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert [(kw["max_query_len"], kw["rows_sorted"]) for kw in seen] == [(2, True), (2, True)]
+    default = c.run(ops.sparse_paged_attention, route="xqa")
+    assert (seen[-1]["max_query_len"], seen[-1]["rows_sorted"]) == (None, False)
+    assert torch.equal(default, want[0])
+
+
 def test_opcheck_attention():
     c = _attention_case("cpu")
     cache = c.cache
@@ -200,6 +221,7 @@ def test_opcheck_attention():
         args = (c.q, cache.k, cache.v, c.indices, c.block_table, c.token_to_req, c.positions, c.seq_lens, c.gate,
                 "auto", 1.0, 1.0, None, return_lse, "reference")
         torch.library.opcheck(torch.ops.qsa.sparse_paged_attention.default, args)
+        torch.library.opcheck(torch.ops.qsa.sparse_paged_attention.default, (*args, 1, True))
 
 
 def test_opcheck_select_and_cache_ops():

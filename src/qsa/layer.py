@@ -392,7 +392,8 @@ class QSAAttention(nn.Module):
         if torch.compiler.is_compiling() or meta.route == "reference":
             return ops.sparse_paged_attention(q, cache.k, cache.v, indices, meta.block_table,
                                               meta.token_to_req, meta.positions, meta.seq_lens, gate=gate,
-                                              route=meta.route, **kw)
+                                              route=meta.route, max_query_len=meta.max_query_len,
+                                              rows_sorted=True, **kw)
         from .api import plan_attention, run_attention
 
         meta.plan = plan_attention(indices, meta.block_table, meta.token_to_req, meta.positions, meta.seq_lens,

@@ -33,13 +33,14 @@ def _sparse_paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                indices: torch.Tensor, block_table: torch.Tensor, token_to_req: torch.Tensor,
                                positions: torch.Tensor, seq_lens: torch.Tensor, gate: torch.Tensor | None,
                                kv_cache_dtype: str, k_scale: float, v_scale: float,
-                               softmax_scale: float | None, return_lse: bool,
-                               route: str) -> tuple[torch.Tensor, torch.Tensor]:
+                               softmax_scale: float | None, return_lse: bool, route: str,
+                               max_query_len: int | None = None,
+                               rows_sorted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     from .api import sparse_paged_attention as spa
 
     res = spa(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, gate=gate,
               kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale,
-              return_lse=return_lse, route=route)
+              return_lse=return_lse, route=route, max_query_len=max_query_len, rows_sorted=rows_sorted)
     if return_lse:
         return res
     return res, torch.empty((0,), dtype=torch.float32, device=q.device)
@@ -47,7 +48,7 @@ def _sparse_paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 @_sparse_paged_attention_op.register_fake
 def _(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, gate, kv_cache_dtype,
-      k_scale, v_scale, softmax_scale, return_lse, route):
+      k_scale, v_scale, softmax_scale, return_lse, route, max_query_len=None, rows_sorted=False):
     lse_shape = (q.shape[0], q.shape[1]) if return_lse else (0,)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(lse_shape, dtype=torch.float32, device=q.device))
@@ -107,13 +108,14 @@ def _(raw_k, token_to_req, positions, kc_cache, block_table, partial, norm_weigh
 
 def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, *,
                            gate=None, kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0,
-                           softmax_scale: float | None = None, return_lse: bool = False, route: str = "auto"):
+                           softmax_scale: float | None = None, return_lse: bool = False, route: str = "auto",
+                           max_query_len: int | None = None, rows_sorted: bool = False):
     """:func:`qsa.sparse_paged_attention` through the ``qsa::sparse_paged_attention`` custom op
     (no ``out=``: the op is functional). Returns ``out`` or ``(out, lse)``."""
     out, lse = torch.ops.qsa.sparse_paged_attention(
         q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, gate, kv_cache_dtype,
         float(k_scale), float(v_scale), None if softmax_scale is None else float(softmax_scale),
-        bool(return_lse), route)
+        bool(return_lse), route, max_query_len, rows_sorted)
     return (out, lse) if return_lse else out
 
 
