@@ -118,14 +118,18 @@ def test_bitwise_under_relocation_and_permutation(route):
 
 
 @pytest.mark.parametrize("rows,num_reqs,dtype,kv", [(1, 1, torch.float16, "auto"), (8, 1, torch.float16, "auto"),
-                                                   (16, 16, torch.bfloat16, "auto"), (13, 4, torch.float16, "fp8_e4m3")])
+                                                   (16, 16, torch.bfloat16, "auto"), (13, 4, torch.float16, "fp8_e4m3"),
+                                                   (64, 64, torch.float16, "auto")])
 def test_direct_xqa_at_real_width(rows, num_reqs, dtype, kv):
     """Decode and MTP batches with sorted rows take the direct kernel: exact, and bitwise the same with
-    the rows shuffled (in-kernel sort), under page moves, and in a CUDA graph."""
+    the rows shuffled (in-kernel sort), under page moves, over repeated runs of one plan, and over
+    repeated CUDA-graph replays."""
     c = qsa_case(rows=rows, context=65536, num_reqs=num_reqs, dtype=dtype, kv_cache_dtype=kv, seed=9)
+    # A decode batch (one row per request) says so, as a serving engine does: 64 rows then stay on xqa.
+    hint = dict(rows_sorted=True, max_query_len=1 if num_reqs == rows else None)
     plan = qsa.plan_attention(c["indices"], c["block_table"], c["token_to_req"], c["positions"], c["seq_lens"],
                               block_size=16, num_blocks=c["kv"].shape[0], num_q_heads=6, num_kv_heads=1,
-                              head_dim=256, rows_sorted=True)
+                              head_dim=256, **hint)
     assert plan.routes.direct and plan.single is None
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from benchmarks.baselines import chunked_attention, full_fp32_matmul
@@ -136,24 +140,29 @@ def test_direct_xqa_at_real_width(rows, num_reqs, dtype, kv):
     with full_fp32_matmul():
         ref = chunked_attention(*args, compute_dtype=torch.float32, **kw).double()
     low = chunked_attention(*args, compute_dtype=dtype, **kw)
-    base = run(c, "auto", rows_sorted=True, gate=None, return_lse=True)
+    base = run(c, "auto", **hint, gate=None, return_lse=True)
     assert_close_like_torch(base[0], ref, low, name="xqa-direct")
     g = torch.Generator().manual_seed(1)
     perm = torch.argsort(torch.rand(c["indices"].shape, generator=g), dim=1).cuda()
-    shuffled = run({**c, "indices": torch.gather(c["indices"], 1, perm)}, "auto", rows_sorted=True, return_lse=True)
+    shuffled = run({**c, "indices": torch.gather(c["indices"], 1, perm)}, "auto", **hint, return_lse=True)
     assert torch.equal(base[0], shuffled[0]) and torch.equal(base[1], shuffled[1]), "shuffled rows"
-    moved = run(_relocated(c, random_mapping(c["kv"].shape[0], generator=g)), "auto", rows_sorted=True,
+    moved = run(_relocated(c, random_mapping(c["kv"].shape[0], generator=g)), "auto", **hint,
                 return_lse=True)
     assert torch.equal(base[0], moved[0]) and torch.equal(base[1], moved[1]), "relocation"
     out = torch.full_like(c["q"], float("nan"))
-    run(c, "auto", rows_sorted=True, out=out)
+    for i in range(3):
+        out.fill_(float("nan"))
+        qsa.run_attention(plan, c["q"], c["kv"][:, 0], c["kv"][:, 1], kv_cache_dtype=kv, k_scale=c["k_scale"],
+                          v_scale=c["v_scale"], out=out)
+        assert torch.equal(out, base[0]), f"run {i} of one plan"
     graph = torch.cuda.CUDAGraph()
-    out.fill_(float("nan"))
     with torch.cuda.graph(graph):
-        run(c, "auto", rows_sorted=True, out=out)
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, base[0]), "CUDA-graph replay"
+        run(c, "auto", **hint, out=out)
+    for i in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, base[0]), f"CUDA-graph replay {i}"
 
 
 def test_cuda_graph_replay_matches_eager():
