@@ -295,3 +295,19 @@ def test_runs_across_chunk_boundaries(shuffle, one_chunk, monkeypatch):
     for r in range(3):
         kept = sorted({t for t in indices[r].tolist() if 0 <= t <= int(args[3][r]) and t < 460})
         assert counts[r].item() == len(kept) and tokens[r, :len(kept)].tolist() == kept
+
+
+def test_row_planner_settings_give_one_plan():
+    """Any step width and warp count of the row planner (as ``benchmarks.tune`` sweeps them) gives the
+    reference plan: one step, several steps with runs across step boundaries, rows sorted and not."""
+    case = make_attention_case(rows=9, num_reqs=3, block_size=16, width=70, max_seq_len=200, seed=5)
+    key = torch.sort(torch.where(case.indices[::2] < 0, 1 << 30, case.indices[::2]), dim=1).values
+    case.indices[::2] = key.masked_fill(key == 1 << 30, -1)  # even rows in order, odd rows as drawn
+    inputs = case.plan_inputs()
+    ref = reference_single_row_plan(**inputs)
+    for chunk, warps in ((16, 4), (32, 2), (128, 8), (None, 1)):
+        assert compare_plans(plan_single_rows(**inputs, chunk=chunk, num_warps=warps), ref) == [], (chunk, warps)
+    with pytest.raises(ValueError, match="chunk"):
+        plan_single_rows(**inputs, chunk=24)
+    with pytest.raises(ValueError, match="num_warps"):
+        plan_single_rows(**inputs, num_warps=3)

@@ -241,7 +241,8 @@ def check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, *
 
 
 def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int,
-                     num_blocks: int, out: SingleRowPlan | None = None, row_start: int = 0) -> SingleRowPlan:
+                     num_blocks: int, out: SingleRowPlan | None = None, row_start: int = 0,
+                     chunk: int | None = None, num_warps: int | None = None) -> SingleRowPlan:
     """Build the single-row plan of rows ``[row_start, rows)`` (see the module docstring).
 
     Args:
@@ -255,6 +256,9 @@ def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *,
         out: optional plan whose buffers are reused (``[rows, >= single_row_capacity(W)]``).
         row_start: rows before it are left unplanned (their entries and counts are unspecified); the
             ``auto`` route plans only the rows the grouped route leaves over.
+        chunk, num_warps: launch settings of the row planner (indices read per step, a power of two
+            >= 16; warps per program), for tuning. None: :func:`row_plan_chunk` and its warps. The plan
+            is the same for any settings.
 
     Returns:
         SingleRowPlan on ``indices.device`` with ``rows`` lists.
@@ -264,6 +268,10 @@ def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *,
     rows, width = indices.shape
     if not isinstance(row_start, int) or not 0 <= row_start <= rows:
         raise ValueError(f"row_start must be an int in [0, {rows}], got {row_start!r}")
+    if chunk is not None and (not isinstance(chunk, int) or chunk < PAD or chunk & (chunk - 1)):
+        raise ValueError(f"chunk must be None or a power of two >= {PAD}, got {chunk!r}")
+    if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
+        raise ValueError(f"num_warps must be None or a power of two in [1, 32], got {num_warps!r}")
     cap = single_row_capacity(width)
     if out is None:
         out = SingleRowPlan(
@@ -275,7 +283,8 @@ def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *,
         raise ValueError(f"out must hold [{rows}, >= {cap}] entries, got {tuple(out.mb_ids.shape)}")
     out.block_size, out.num_blocks = block_size, num_blocks
     _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
-               out.mb_ids, out.masks, out.counts, emit_tokens=False, row_start=row_start)
+               out.mb_ids, out.masks, out.counts, emit_tokens=False, row_start=row_start, chunk=chunk,
+               num_warps=num_warps)
     return out
 
 
@@ -377,7 +386,8 @@ def row_plan_chunk(rows: int, width: int, device) -> int:
 
 
 def _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
-               ids, masks, counts, *, emit_tokens: bool, row_start: int = 0) -> None:
+               ids, masks, counts, *, emit_tokens: bool, row_start: int = 0, chunk: int | None = None,
+               num_warps: int | None = None) -> None:
     """Launch the streaming row planner, then (rows wider than one step) the sorting planner for rows
     found out of order."""
     from .kernels.plan import single_row_plan_kernel, single_row_sort_plan_kernel
@@ -387,7 +397,7 @@ def _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_si
     if rows == row_start:
         return
     device = indices.device
-    chunk = row_plan_chunk(rows - row_start, width, device)
+    chunk = chunk or row_plan_chunk(rows - row_start, width, device)
     one_chunk = chunk >= width
     if one_chunk:  # the list of rows out of order is not used
         unsorted = num_unsorted = counts
@@ -400,7 +410,7 @@ def _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_si
                   CH=chunk, PAD=PAD, EMIT_TOKENS=emit_tokens)
     single_row_plan_kernel[(rows - row_start,)](
         indices, block_table, token_to_req, positions, seq_lens, ids, masks, counts, unsorted, num_unsorted,
-        row_start, **common, ONE_CHUNK=one_chunk, num_warps=max(4, min(16, chunk // 128)))
+        row_start, **common, ONE_CHUNK=one_chunk, num_warps=num_warps or max(4, min(16, chunk // 128)))
     if one_chunk:
         return
     facts = device_facts(str(device))
