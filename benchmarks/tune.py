@@ -37,6 +37,11 @@ PLANNER = [  # grouped planner: quads per row step, scan step, num_warps, progra
       for q, s, w, p in ((64, 2048, 8, 4), (64, 1024, 4, 8), (32, 1024, 4, 8), (128, 2048, 8, 4),
                          (64, 4096, 8, 4), (64, 2048, 4, 8), (128, 4096, 8, 2), (32, 512, 4, 16))),
 ]
+ROW_PLANNER = [  # single-row planner: indices per step, warps (None: the defaults of qsa.plan.row_plan_chunk)
+    (None, None), (512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8),
+]
+DIRECT_SPLITS = (33, 48, 64)
+"""Split counts past routes.MAX_SPLITS tried for the direct xqa kernel on workloads of at most 16 rows."""
 SPLIT = [  # tile_tokens, num_warps, num_stages, programs_per_sm, prefetch (splitk sweeps the first three; the
     # direct xqa kernel sweeps them all on workloads of at most routes.DIRECT_MAX_ROWS rows)
     (64, 4, 2, 1, False), (64, 4, 2, 3, False), (64, 4, 3, 1, False), (64, 4, 3, 1, True), (32, 4, 4, 1, True),
@@ -76,6 +81,8 @@ def main(argv=None) -> int:
     grouped_settings = (GROUPED[0], GROUPED[3]) if args.smoke else GROUPED
     split_settings = (SPLIT[0], SPLIT[3]) if args.smoke else SPLIT
     planner_settings = (PLANNER[0], PLANNER[-1]) if args.smoke else PLANNER
+    row_planner_settings = (ROW_PLANNER[0], (16, 4)) if args.smoke else ROW_PLANNER
+    direct_splits = (3,) if args.smoke else DIRECT_SPLITS
     if args.no_planner:
         planner_settings = ()
     timer = Timer(dev, TimingConfig(budget_s=0.15, min_reps=5, max_reps=50))
@@ -98,7 +105,8 @@ def main(argv=None) -> int:
     for scn in workloads(args.smoke):
         if args.only and not any(s in scn.name for s in args.only):
             continue
-        sweep(scn, dev, record, grouped_settings, split_settings, args.planner_only, planner_settings)
+        sweep(scn, dev, record, grouped_settings, split_settings, args.planner_only, planner_settings,
+              row_planner_settings, direct_splits)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -110,7 +118,7 @@ def main(argv=None) -> int:
 
 
 def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_only: bool = False,
-          planner_settings=PLANNER) -> None:
+          planner_settings=PLANNER, row_planner_settings=ROW_PLANNER, direct_splits=DIRECT_SPLITS) -> None:
     """Every setting of one workload: planners, grouped, xqa and splitk, each checked then timed."""
     t0 = time.time()
     w = attention_workload(scn, dev)
@@ -133,6 +141,16 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
     kw = dict(out=out, lse=None, gate=None, softmax_scale=scn.head_dim ** -0.5, k_scale=c.k_scale,
               v_scale=c.v_scale, kv_fp8=c.kv_cache_dtype == "fp8_e4m3")
     record(scn.name, "plan-single", "-", lambda: plan_single_rows(**inputs, out=single))
+    if scn.num_reqs > 1 or rows <= 16:  # decode and MTP: the row planner's step width and warps
+        for chunk, warps in row_planner_settings:
+            def run_row_planner(chunk=chunk, warps=warps):
+                return plan_single_rows(**inputs, chunk=chunk, num_warps=warps)
+
+            def check_row_plan(p, ref_plan=plan_single_rows(**inputs)):
+                diff = compare_plans(p, ref_plan)
+                if diff:
+                    raise AssertionError(diff[0])
+            record(scn.name, "plan-single", (chunk, warps), run_row_planner, check_row_plan)
     if rows >= 8 and scn.num_reqs == 1:
         ws = PlanWorkspace.for_plan(w.block_table, block_size=c.block_size, num_groups=rows // 8)
         grouped = plan_groups(**inputs, workspace=ws)
@@ -197,6 +215,13 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
                                                w.positions, w.seq_lens, row_start=0, config=cfg, **kw)
                 return out
             record(scn.name, "direct-attn", setting, run_direct, check)
+        if rows <= 16:  # few rows: finer splits than routes.MAX_SPLITS allows, default settings
+            for splits in direct_splits:
+                def run_direct_splits(splits=splits):
+                    attention.xqa_direct_attention(q, c.k, c.v, w.indices, w.block_table, w.token_to_req,
+                                                   w.positions, w.seq_lens, row_start=0, num_splits=splits, **kw)
+                    return out
+                record(scn.name, "direct-splits", splits, run_direct_splits, check)
         direct_plan = plan_attention(**inputs, **shape, route="xqa", rows_sorted=True)
 
         def direct_total():

@@ -354,7 +354,9 @@ def test_tune_smoke_checks_and_times_every_setting(tmp_path, monkeypatch):
     assert records and all(r["error"] is None and r["median_ms"] > 0 for r in records), records
     whats = {r["what"] for r in records}
     assert {"plan-single", "plan-grouped", "grouped-attn", "xqa-attn", "splitk-attn", "direct-attn",
-            "direct-total"} <= whats
+            "direct-total", "direct-splits"} <= whats
+    row_planners = {tuple(r["setting"]) for r in records if r["what"] == "plan-single" and r["setting"] != "-"}
+    assert row_planners == {(None, None), (16, 4)}
     layouts = {r["setting"][-1] for r in records if r["what"] == "plan-grouped" and r["setting"] != "-"}
     assert layouts == {"nibbles", "rows"}
 
