@@ -117,6 +117,15 @@ def main(argv=None) -> int:
     return 0
 
 
+def same_plan_as(ref_plan):
+    """A check that a planner's output equals ``ref_plan`` (raises on the first difference)."""
+    def check(plan):
+        diff = compare_plans(plan, ref_plan)
+        if diff:
+            raise AssertionError(diff[0])
+    return check
+
+
 def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_only: bool = False,
           planner_settings=PLANNER, row_planner_settings=ROW_PLANNER, direct_splits=DIRECT_SPLITS) -> None:
     """Every setting of one workload: planners, grouped, xqa and splitk, each checked then timed."""
@@ -142,14 +151,10 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
               v_scale=c.v_scale, kv_fp8=c.kv_cache_dtype == "fp8_e4m3")
     record(scn.name, "plan-single", "-", lambda: plan_single_rows(**inputs, out=single))
     if scn.num_reqs > 1 or rows <= 16:  # decode and MTP: the row planner's step width and warps
+        check_row_plan = same_plan_as(plan_single_rows(**inputs))
         for chunk, warps in row_planner_settings:
             def run_row_planner(chunk=chunk, warps=warps):
                 return plan_single_rows(**inputs, chunk=chunk, num_warps=warps)
-
-            def check_row_plan(p, ref_plan=plan_single_rows(**inputs)):
-                diff = compare_plans(p, ref_plan)
-                if diff:
-                    raise AssertionError(diff[0])
             record(scn.name, "plan-single", (chunk, warps), run_row_planner, check_row_plan)
     if rows >= 8 and scn.num_reqs == 1:
         ws = PlanWorkspace.for_plan(w.block_table, block_size=c.block_size, num_groups=rows // 8)
@@ -159,16 +164,10 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
             cfg_p = PlannerConfig(*setting)
             ws_p = PlanWorkspace.for_plan(w.block_table, block_size=c.block_size, num_groups=rows // 8,
                                           config=cfg_p)
-            ref_plan = grouped
 
             def run_planner(cfg_p=cfg_p, ws_p=ws_p):
                 return plan_groups(**inputs, workspace=ws_p, config=cfg_p)
-
-            def check_plan(p, ref_plan=ref_plan):
-                diff = compare_plans(p, ref_plan)
-                if diff:
-                    raise AssertionError(diff[0])
-            record(scn.name, "plan-grouped", setting, run_planner, check_plan)
+            record(scn.name, "plan-grouped", setting, run_planner, same_plan_as(grouped))
     if planner_only:
         return
     if rows >= 8 and scn.num_reqs == 1:
