@@ -297,15 +297,18 @@ def test_runs_across_chunk_boundaries(shuffle, one_chunk, monkeypatch):
         assert counts[r].item() == len(kept) and tokens[r, :len(kept)].tolist() == kept
 
 
-def test_row_planner_settings_give_one_plan():
+def test_row_planner_settings_give_one_plan(monkeypatch):
     """Any step width and warp count of the row planner (as ``benchmarks.tune`` sweeps them) gives the
-    reference plan: one step, several steps with runs across step boundaries, rows sorted and not."""
+    reference plan: one step, several steps with runs across step boundaries, rows sorted and not. A
+    given step width is the one used (the default choice is never consulted)."""
     case = make_attention_case(rows=9, num_reqs=3, block_size=16, width=70, max_seq_len=200, seed=5)
     key = torch.sort(torch.where(case.indices[::2] < 0, 1 << 30, case.indices[::2]), dim=1).values
     case.indices[::2] = key.masked_fill(key == 1 << 30, -1)  # even rows in order, odd rows as drawn
     inputs = case.plan_inputs()
     ref = reference_single_row_plan(**inputs)
-    for chunk, warps in ((16, 4), (32, 2), (128, 8), (None, 1)):
+    assert compare_plans(plan_single_rows(**inputs, num_warps=1), ref) == []
+    monkeypatch.setattr(qsa.plan, "row_plan_chunk", lambda *a: pytest.fail("the given chunk was not used"))
+    for chunk, warps in ((16, 4), (32, 2), (128, 8)):
         assert compare_plans(plan_single_rows(**inputs, chunk=chunk, num_warps=warps), ref) == [], (chunk, warps)
     with pytest.raises(ValueError, match="chunk"):
         plan_single_rows(**inputs, chunk=24)
