@@ -34,6 +34,17 @@ def main() -> int:
             ok = bool(torch.isfinite(out).all())
             bad += not ok
             print(f"{kv_cache_dtype:9s} {route:8s} {kw} finite={ok}")
+        # Wild rows sorted with negatives last: the row planner's ascending-row path (xqa, splitk).
+        given = case.indices
+        key = torch.sort(torch.where(given < 0, 2**40, given.long()), dim=1).values
+        case.indices = torch.where(key == 2**40, -1, key).to(torch.int32)
+        for route in ("xqa", "splitk"):
+            out, lse = case.run(qsa.sparse_paged_attention, route=route, return_lse=True)
+            torch.cuda.synchronize()
+            ok = bool(torch.isfinite(out).all())
+            bad += not ok
+            print(f"{kv_cache_dtype:9s} {route:8s} sorted finite={ok}")
+        case.indices = given
         # The direct kernel (few rows, rows_sorted): wild rows as given (in-kernel sort) and sorted
         # with negatives last (its fast path reads the row itself).
         small = torch.arange(12, device="cuda")

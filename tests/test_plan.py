@@ -7,7 +7,7 @@ import qsa.plan
 from qsa.cache import random_mapping
 from qsa.plan import (PAD, GroupedPlan, PlanWorkspace, grouped_capacity, physical_order, plan_groups,
                       plan_single_rows, single_row_capacity)
-from qsa.reference import (compare_plans, make_attention_case, reference_grouped_plan,
+from qsa.reference import (_kept_tokens, compare_plans, make_attention_case, reference_grouped_plan,
                            reference_single_row_plan)
 
 
@@ -314,3 +314,41 @@ def test_row_planner_settings_give_one_plan(monkeypatch):
         plan_single_rows(**inputs, chunk=24)
     with pytest.raises(ValueError, match="num_warps"):
         plan_single_rows(**inputs, num_warps=3)
+
+
+def _select_order(indices: torch.Tensor) -> torch.Tensor:
+    """Rows as ``select_tokens`` emits them: distinct non-negative entries ascending, then -1."""
+    big = 1 << 30
+    key = torch.sort(torch.where(indices < 0, big, indices), dim=1).values
+    dup = torch.zeros_like(key, dtype=torch.bool)
+    dup[:, 1:] = key[:, 1:] == key[:, :-1]
+    key = torch.sort(key.masked_fill(dup, big), dim=1).values
+    return key.masked_fill(key == big, -1).to(torch.int32)
+
+
+@pytest.mark.parametrize("emit_tokens", [False, True])
+def test_ascending_rows_in_one_step(emit_tokens):
+    """Rows in ``select_tokens`` order planned in one step (the neighbour-read path): microblocks of 1 to
+    4 kept tokens, a microblock cut by the row's position, tokens past the length, the table's end and
+    pages whose table entry is -1 or past the cache, in the middle of the row; rows with nothing kept.
+    Also as several steps and shuffled (the other paths): one plan."""
+    case = make_attention_case(rows=12, num_reqs=3, block_size=16, width=60, max_seq_len=120, seed=12)
+    idx = _select_order(case.indices)
+    idx[0] = torch.cat([torch.arange(0, 45), torch.full((15,), -1)])  # dense: full microblocks then a cut one
+    idx[1] = torch.arange(0, 240, 4)  # one token per microblock, past everything at the end
+    idx[2] = torch.cat([torch.arange(1, 31, 2), torch.full((45,), -1)])
+    case.positions[0:3] = torch.tensor([41, 119, 28])
+    case.indices = idx
+    inputs = case.plan_inputs()
+    if emit_tokens:
+        tokens, counts = qsa.plan.token_lists(**inputs)
+        for r in range(idx.shape[0]):
+            kept = _kept_tokens(idx[r], int(inputs["token_to_req"][r]), int(inputs["positions"][r]),
+                                inputs["seq_lens"], inputs["block_table"], 16, inputs["num_blocks"])
+            assert counts[r].item() == len(kept) and tokens[r, :len(kept)].tolist() == kept, r
+        return
+    ref = reference_single_row_plan(**inputs)
+    assert compare_plans(plan_single_rows(**inputs, chunk=64), ref) == []
+    assert compare_plans(plan_single_rows(**inputs, chunk=16), ref) == []
+    shuffled = case.with_permuted_indices(torch.Generator().manual_seed(13)).plan_inputs()
+    assert compare_plans(plan_single_rows(**shuffled, chunk=64), ref) == []

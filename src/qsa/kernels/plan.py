@@ -79,16 +79,70 @@ def _emit_sorted_chunk(
 
 
 @triton.jit
+def _pad_row(count, first_id, p_ids, p_masks, PAD: tl.constexpr):
+    """Pad the list to a whole tile with (first id, mask 0), a real used microblock."""
+    o_pad = count + tl.arange(0, PAD)
+    m_pad = o_pad < (count + PAD - 1) // PAD * PAD
+    tl.store(p_ids + o_pad, tl.zeros([PAD], tl.int32) + first_id, mask=m_pad)
+    tl.store(p_masks + o_pad, tl.zeros([PAD], tl.uint8), mask=m_pad)
+
+
+@triton.jit
 def _finish_row(count, p_ids, p_masks, counts_ptr, i_r, PAD: tl.constexpr, EMIT_TOKENS: tl.constexpr):
-    """Store the count; pad the list to a whole tile with (first id, mask 0), a real used microblock."""
+    """Store the count; pad a microblock list (its first id read back from the list)."""
     tl.store(counts_ptr + i_r, count)
     if not EMIT_TOKENS:
         tl.debug_barrier()
         first_id = tl.load(p_ids, mask=count > 0, other=0, cache_modifier=".cg")
-        o_pad = count + tl.arange(0, PAD)
-        m_pad = o_pad < (count + PAD - 1) // PAD * PAD
-        tl.store(p_ids + o_pad, tl.zeros([PAD], tl.int32) + first_id, mask=m_pad)
-        tl.store(p_masks + o_pad, tl.zeros([PAD], tl.uint8), mask=m_pad)
+        _pad_row(count, first_id, p_ids, p_masks, PAD)
+
+
+@triton.jit
+def _logical_tokens(p_idx, o_w, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE: tl.constexpr):
+    """(token at columns ``o_w``, whether it passes the checks not involving the block table);
+    columns outside ``[0, W)`` read as dropped."""
+    b_t = tl.load(p_idx + o_w, mask=(o_w >= 0) & (o_w < W) & row_ok, other=-1)
+    return b_t, (b_t >= 0) & (b_t < seq_len) & (b_t <= pos) & (b_t // BLOCK_SIZE < max_blocks)
+
+
+@triton.jit
+def _strictly_ascending(b_t, m_log, b_prev, m_prev, o_c):
+    """Whether the row is a strictly ascending run of kept tokens followed by dropped entries only:
+    every kept entry after the first follows a kept, smaller one."""
+    m_bad = m_log & (o_c > 0) & ~(m_prev & (b_prev < b_t))
+    return tl.max(m_bad.to(tl.int32), 0) == 0
+
+
+@triton.jit
+def _emit_ascending_row(p_idx, o_c, W, b_t, m_log, b_prev, m_prev, req, pos, seq_len, row_ok, bt_ptr,
+                        stride_bt_req, max_blocks, num_blocks, p_ids, p_masks, counts_ptr, i_r,
+                        BLOCK_SIZE: tl.constexpr, PAD: tl.constexpr, EMIT_TOKENS: tl.constexpr):
+    """Plan a row whose kept tokens are a strictly ascending prefix, with neighbour reads instead of
+    scans: a microblock's tokens are at most 4 adjacent entries, so an entry ends its microblock's run
+    when the next entry is not a kept token of it, and the run's bits are those of the entry and of the
+    up to 3 before it in the same microblock. A table entry covers a whole block, so the block-table
+    check of one kept token holds for every token of its microblock."""
+    b_phys = tl.load(bt_ptr + req * stride_bt_req + b_t // BLOCK_SIZE, mask=m_log, other=-1)
+    m_keep = m_log & (b_phys >= 0) & (b_phys < num_blocks)
+    if EMIT_TOKENS:
+        m_emit = m_keep
+        b_id = b_t
+    else:
+        b_unit = b_t >> 2
+        b_next, m_next = _logical_tokens(p_idx, o_c + 1, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
+        m_emit = m_keep & ~(m_next & ((b_next >> 2) == b_unit))
+        b_bits = (1 << (b_t & 3)) | tl.where(m_prev & ((b_prev >> 2) == b_unit), 1 << (b_prev & 3), 0)
+        for j in tl.static_range(2, 4):
+            b_before, m_before = _logical_tokens(p_idx, o_c - j, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
+            b_bits |= tl.where(m_before & ((b_before >> 2) == b_unit), 1 << (b_before & 3), 0)
+        b_id = b_phys * (BLOCK_SIZE // 4) + (b_t % BLOCK_SIZE) // 4
+    b_slot = tl.cumsum(m_emit.to(tl.int32), 0) - 1
+    tl.store(p_ids + b_slot, b_id, mask=m_emit)
+    count = tl.sum(m_emit.to(tl.int32), 0)
+    tl.store(counts_ptr + i_r, count)
+    if not EMIT_TOKENS:
+        tl.store(p_masks + b_slot, b_bits.to(tl.uint8), mask=m_emit)
+        _pad_row(count, tl.sum(tl.where(m_emit & (b_slot == 0), b_id, 0), 0), p_ids, p_masks, PAD)
 
 
 @triton.jit
@@ -122,7 +176,8 @@ def single_row_plan_kernel(
 
     Kept tokens are read CH at a time; each logical unit is emitted where its run ends, with the OR
     of its bits. A row found out of order is handed to ``single_row_sort_plan_kernel``, unless the
-    row is one chunk (``ONE_CHUNK``): then it is sorted in place and no second launch is needed.
+    row is one chunk (``ONE_CHUNK``): then it is sorted in place and no second launch is needed, and a
+    row of strictly ascending kept tokens (dropped entries last) takes ``_emit_ascending_row``.
     """
     i_r = tl.program_id(0).to(tl.int64) + row_start
     req, pos, seq_len, row_ok = _row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs)
@@ -130,17 +185,27 @@ def single_row_plan_kernel(
     p_ids = ids_ptr + i_r * stride_ids_row
     p_masks = masks_ptr + i_r * stride_masks_row
     o_c = tl.arange(0, CH)
-    b_key, b_phys = _kept_keys(p_idx, o_c, W, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req, max_blocks,
-                               num_blocks, BLOCK_SIZE)
     if ONE_CHUNK:
-        b_prev = tl.gather(b_key, tl.maximum(o_c - 1, 0), 0)
-        if tl.min((b_prev <= b_key).to(tl.int32), 0) == 0:
-            b_key = tl.sort(b_key)
-            b_phys = tl.load(bt_ptr + req * stride_bt_req + b_key // BLOCK_SIZE, mask=b_key != INT32_MAX, other=0)
-        count, _ = _emit_sorted_chunk(b_key, b_phys, INT32_MAX, -1, 0, 0, p_ids, p_masks, BLOCK_SIZE, CH,
-                                      EMIT_TOKENS)
-        _finish_row(count, p_ids, p_masks, counts_ptr, i_r, PAD, EMIT_TOKENS)
+        b_t, m_log = _logical_tokens(p_idx, o_c, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
+        b_tp, m_logp = _logical_tokens(p_idx, o_c - 1, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
+        if _strictly_ascending(b_t, m_log, b_tp, m_logp, o_c):
+            _emit_ascending_row(p_idx, o_c, W, b_t, m_log, b_tp, m_logp, req, pos, seq_len, row_ok, bt_ptr,
+                                stride_bt_req, max_blocks, num_blocks, p_ids, p_masks, counts_ptr, i_r,
+                                BLOCK_SIZE, PAD, EMIT_TOKENS)
+        else:
+            b_key, b_phys = _kept_keys(p_idx, o_c, W, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req,
+                                       max_blocks, num_blocks, BLOCK_SIZE)
+            b_prev = tl.gather(b_key, tl.maximum(o_c - 1, 0), 0)
+            if tl.min((b_prev <= b_key).to(tl.int32), 0) == 0:
+                b_key = tl.sort(b_key)
+                b_phys = tl.load(bt_ptr + req * stride_bt_req + b_key // BLOCK_SIZE, mask=b_key != INT32_MAX,
+                                 other=0)
+            count, _ = _emit_sorted_chunk(b_key, b_phys, INT32_MAX, -1, 0, 0, p_ids, p_masks, BLOCK_SIZE, CH,
+                                          EMIT_TOKENS)
+            _finish_row(count, p_ids, p_masks, counts_ptr, i_r, PAD, EMIT_TOKENS)
     else:
+        b_key, b_phys = _kept_keys(p_idx, o_c, W, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req, max_blocks,
+                                   num_blocks, BLOCK_SIZE)
         prev_key = -1
         carry = 0
         count = 0
