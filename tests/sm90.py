@@ -109,9 +109,10 @@ def check_grouped_kernel(act, cache, G):
 
 def check_single_row_kernel(route, cache):
     cfg = {"xqa": routes.xqa_config, "xqa-direct": routes.xqa_direct_config,
+           "xqa-direct-64": lambda G, d: routes.xqa_direct_config(G, d, 64),
            "splitk": routes.splitk_config}[route](6, 256)
     ptrs = _attention_pointers("fp16", cache)
-    if route == "xqa-direct":
+    if route.startswith("xqa-direct"):
         kernel = xqa_direct_kernel
         ptrs.update(idx_ptr="*i32", bt_ptr="*i32", req_ptr="*i32", pos_ptr="*i64", seq_lens_ptr="*i32",
                     scratch_ptr="*i32")
@@ -158,7 +159,7 @@ def main() -> int:
     for act, cache in (("fp16", "fp16"), ("bf16", "bf16"), ("fp16", "u8")):
         for G in (6, 12, 24):
             print(f"grouped {act}/{cache} G={G}: {check_grouped_kernel(act, cache, G)}")
-    for route in ("xqa", "xqa-direct", "splitk"):
+    for route in ("xqa", "xqa-direct", "xqa-direct-64", "splitk"):
         for cache in ("fp16", "u8"):
             print(f"{route} {cache}: {check_single_row_kernel(route, cache)}")
     check_merge_and_planner_kernels()

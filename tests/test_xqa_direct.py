@@ -23,7 +23,7 @@ def ascending_rows(indices: torch.Tensor) -> torch.Tensor:
     return torch.where(key == big, -1, key).to(torch.int32)
 
 
-def run_direct(case, *, splits=1, scratch=None, indices=None, **kw):
+def run_direct(case, *, splits=1, scratch=None, indices=None, prefetch=False, **kw):
     c = case.cache
     out = torch.full_like(case.q, float("nan"))
     lse = torch.full(case.q.shape[:2], float("nan"), dtype=torch.float32)
@@ -33,7 +33,7 @@ def run_direct(case, *, splits=1, scratch=None, indices=None, **kw):
         case.positions, case.seq_lens, row_start=0, out=out, lse=lse, gate=case.gate,
         softmax_scale=case.q.shape[2] ** -0.5, k_scale=c.k_scale, v_scale=c.v_scale,
         kv_fp8=c.kv_cache_dtype == "fp8_e4m3", num_splits=splits, scratch=scratch,
-        config=routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2), **kw)
+        config=routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=prefetch), **kw)
     return out, lse
 
 
@@ -74,6 +74,22 @@ def test_sorted_rows_take_the_fast_path():
     for r in range(8):
         touched = bool((scratch[r] != -7).any())
         assert touched == (r in unsorted), (r, scratch[r])
+
+
+def test_direct_prefetch_rechecks_the_first_tile():
+    """With the prefetch, each split's first tile is read from the row as given while the row is
+    checked; rows found out of order read it again from their sorted list. Sorted and shuffled rows in
+    one batch: exact, and bitwise the same as without the prefetch."""
+    case = make_attention_case(rows=9, num_reqs=3, num_q_heads=4, num_kv_heads=1, head_dim=16, width=44,
+                               max_seq_len=140, padding_rows=1, seed=25)
+    idx = ascending_rows(case.indices)
+    for r in (2, 5, 6):
+        idx[r] = idx[r][torch.randperm(44, generator=torch.Generator().manual_seed(r))]
+    case.indices = idx
+    for splits in (1, 3):
+        got = run_direct(case, splits=splits, prefetch=True)
+        check(case, got)
+        _assert_bitwise(got, run_direct(case, splits=splits), f"prefetch vs none, {splits} splits")
 
 
 def test_direct_is_bitwise_deterministic():
@@ -148,3 +164,17 @@ def test_direct_narrow_rows(width):
     case.indices = ascending_rows(case.indices)[:, :width].contiguous()
     got = case.run(qsa.sparse_paged_attention, route="xqa", rows_sorted=True, return_lse=True)
     check(case, got)
+
+
+def test_direct_split_count_leaves_no_split_empty(monkeypatch):
+    """On a 132-SM GPU: about two programs per SM, at most DIRECT_MAX_SPLITS, and the fewest splits
+    with the same most tiles per split (a 65-tile row cut 32 ways would leave 10 splits empty)."""
+    monkeypatch.setattr(routes, "device_facts", lambda dev: dict(kind="cuda", sm_count=132))
+    gpu = torch.device("cuda")
+    assert [routes.direct_split_count(p, 65, 2, gpu) for p in (1, 5, 8, 16, 64, 264)] == [33, 33, 33, 17, 5, 1]
+    for programs in range(1, 300, 7):
+        for tiles in (1, 2, 3, 17, 64, 65, 129):
+            s = routes.direct_split_count(programs, tiles, 2, gpu)
+            per = -(-tiles // s)
+            want = max(1, min(routes.DIRECT_MAX_SPLITS, tiles, -(-264 // programs))) if programs < 264 else 1
+            assert 1 <= s <= want and per == -(-tiles // want) and (s - 1) * per < tiles, (programs, tiles, s)

@@ -144,10 +144,10 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
     hkv = k.shape[2]
     G = hq // hkv
     width = indices.shape[1]
-    cfg = config or routes.xqa_direct_config(G, d)
+    cfg = config or routes.xqa_direct_config(G, d, n * hkv)
     block_w = max(16, next_pow2(width))
-    splits = num_splits or routes.split_count(n * hkv, max(1, -(-width // cfg.tile_tokens)), cfg.programs_per_sm,
-                                              q.device)
+    splits = num_splits or routes.direct_split_count(n * hkv, max(1, -(-width // cfg.tile_tokens)),
+                                                     cfg.programs_per_sm, q.device)
     strides, g, lse_t = _common(q, k, v, out, gate, lse)
     if scratch is None:
         scratch = torch.empty((rows, block_w), dtype=torch.int32, device=q.device)

@@ -111,11 +111,16 @@ def xqa_config(G: int, head_dim: int) -> SplitConfig:
     return SplitConfig(tile_tokens=32, num_warps=4, num_stages=4, programs_per_sm=1, prefetch=True)
 
 
-def xqa_direct_config(G: int, head_dim: int) -> SplitConfig:
-    # 32-token tiles, 3 stages, about two programs per SM: on the H200 the direct kernel plus merge took
-    # 20.2 us for mtp-8, 23.1 us for mtp-16 and 16.7 us for decode-1 (xqa with its plan launch: 32.4,
-    # 36.6 and 31.0 us), docs/perf-notes.md.
-    return SplitConfig(tile_tokens=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch=False)
+def xqa_direct_config(G: int, head_dim: int, lists: int = 1) -> SplitConfig:
+    """Settings of the direct kernel for ``lists`` = rows x KV heads.
+
+    32-token tiles, 3 stages, about two programs per SM. Up to 16 lists (many splits of a few tiles
+    each), each split's first tile is read while its row is checked and every next one a tile ahead:
+    on the H200, plan + run took 17.5 us for mtp-8 (18.0 without), 21.1 for mtp-16 (22.4) and 15.4 for
+    decode-1 (16.1). At 64 rows the prefetch costs more than it hides (decode-64: 73.4 vs 57.6 us);
+    benchmarks/results/experiments/2026-11-30-0017-direct-width-splits-nvidia-h200.json.
+    """
+    return SplitConfig(tile_tokens=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch=lists <= 16)
 
 
 def splitk_config(G: int, head_dim: int) -> SplitConfig:
@@ -241,3 +246,19 @@ def split_count(programs: int, max_tiles: int, programs_per_sm: int, device: tor
     if facts["kind"] != "cuda" or programs >= target:  # the interpreter runs programs one by one
         return 1
     return max(1, min(MAX_SPLITS, max_tiles, -(-target // max(programs, 1))))
+
+
+DIRECT_MAX_SPLITS = 64
+"""Split cap of the direct xqa kernel, whose lists are exactly ``W`` positions long."""
+
+
+def direct_split_count(programs: int, tiles: int, programs_per_sm: int, device: torch.device) -> int:
+    """Splits of the direct xqa kernel, whose rows are ``tiles`` tiles long whatever they keep: about
+    ``programs_per_sm`` programs per SM (at most ``DIRECT_MAX_SPLITS``), then as few splits as hold
+    the same most tiles per split, so that no split is empty."""
+    facts = device_facts(str(device))
+    target = programs_per_sm * facts["sm_count"]
+    if facts["kind"] != "cuda" or programs >= target:
+        return 1
+    want = max(1, min(DIRECT_MAX_SPLITS, tiles, -(-target // max(programs, 1))))
+    return -(-tiles // -(-tiles // want))

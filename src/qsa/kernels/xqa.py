@@ -120,47 +120,52 @@ def xqa_attention_kernel(
 
 @triton.jit
 def _direct_row_list(
-    idx_ptr,  # [rows, W] int32 token indices
-    req_ptr,
-    pos_ptr,
-    seq_lens_ptr,
-    scratch_ptr,  # [rows, >= BLOCK_W] int32
-    i_r,
+    p_idx,  # the row of ``indices``: [W] int32 token indices
+    p_scratch,  # the row's scratch row: [>= BLOCK_W] int32
+    pos,
+    seq_len,
+    row_ok,
     W,
-    num_reqs,
     max_blocks,
-    stride_idx_row,
-    stride_scratch_row,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_W: tl.constexpr,  # power of two >= W
 ):
-    """(pointer to the row's list, its length, request): the row's distinct tokens that
-    pass the checks not involving the block table, ascending.
+    """(pointer to the row's list, its length, whether the row is its own list).
 
     A row that already ascends (as ``select_tokens`` emits it: kept tokens strictly ascending, dropped
-    entries only at the end) is its own list: nothing is written. Any other row is sorted, its
-    duplicates dropped, and the list written to the row's scratch row; every program of the row
-    writes the same values there. Both give the same list for the same token set.
+    entries only at the end) is its own list of length W, read with the keep checks of
+    ``_list_entries``: nothing is written. Any other row is sorted, its duplicates dropped, and its kept
+    tokens written to the row's scratch row (every program of the row writes the same values there),
+    a list of their count. Both give the same entries at the same positions for the same token set.
     """
-    req, pos, seq_len, row_ok = _row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs)
-    p_idx = idx_ptr + i_r * stride_idx_row
     o_w = tl.arange(0, BLOCK_W)
     b_t = tl.load(p_idx + o_w, mask=o_w < W, other=-1)
     m_keep = row_ok & (b_t >= 0) & (b_t < seq_len) & (b_t <= pos) & (b_t // BLOCK_SIZE < max_blocks)
     b_key = tl.where(m_keep, b_t, INT32_MAX)
     b_prev = tl.gather(b_key, tl.maximum(o_w - 1, 0), 0)
     m_ok = (o_w == 0) | (b_prev < b_key) | (b_key == INT32_MAX)
-    count = tl.sum(m_keep.to(tl.int32), 0)
     p_list = p_idx
-    if tl.min(m_ok.to(tl.int32), 0) == 0:
+    n_list = W
+    ascending = tl.min(m_ok.to(tl.int32), 0) != 0
+    if not ascending:
         b_key = tl.sort(b_key)
         b_prev = tl.gather(b_key, tl.maximum(o_w - 1, 0), 0)
         m_first = (b_key != INT32_MAX) & ((o_w == 0) | (b_prev != b_key))
-        p_list = scratch_ptr + i_r * stride_scratch_row
+        p_list = p_scratch
         tl.store(p_list + tl.cumsum(m_first.to(tl.int32), 0) - 1, b_key, mask=m_first)
-        count = tl.sum(m_first.to(tl.int32), 0)
+        n_list = tl.sum(m_first.to(tl.int32), 0)
         tl.debug_barrier()
-    return p_list, count, req
+    return p_list, n_list, ascending
+
+
+@triton.jit
+def _list_entries(p_list, o_e, n_list, p_bt, pos, seq_len, max_blocks, BLOCK_SIZE: tl.constexpr):
+    """(token, physical block) of list entries ``o_e``; the block is -1 for an entry past the list or
+    a token the row does not keep (the block-table check is the caller's)."""
+    b_t = tl.load(p_list + o_e, mask=o_e < n_list, other=-1)
+    m_keep = (b_t >= 0) & (b_t < seq_len) & (b_t <= pos) & (b_t // BLOCK_SIZE < max_blocks)
+    b_phys = tl.load(p_bt + b_t // BLOCK_SIZE, mask=m_keep, other=-1)
+    return b_t, b_phys
 
 
 @triton.jit
@@ -208,7 +213,7 @@ def xqa_direct_kernel(
     BLOCK_N: tl.constexpr,  # tokens per K/V tile
     BLOCK_W: tl.constexpr,  # power of two >= W
     NUM_SPLITS: tl.constexpr,  # each row's tiles are cut into this many near-equal runs
-    PREFETCH: tl.constexpr,  # load the next tile's tokens and pages one iteration ahead
+    PREFETCH: tl.constexpr,  # load the next tile's tokens and pages one iteration ahead (the first: during the check)
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -217,9 +222,10 @@ def xqa_direct_kernel(
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
 ):
-    """xqa without a planner launch: each program builds its row's token list from ``indices`` (see
-    ``_direct_row_list``), takes its split of the list's tiles, and gathers K/V token by token
-    through the block table, dropping tokens whose table entry is not a block of the cache."""
+    """xqa without a planner launch: each program takes its split of the W positions of its row's
+    list, which is the row of ``indices`` itself when it ascends and a sorted copy otherwise (see
+    ``_direct_row_list``), and gathers K/V token by token through the block table, dropping tokens the
+    row does not keep and tokens whose table entry is not a block of the cache."""
     i_local = tl.program_id(0).to(tl.int64)
     i_kvh = tl.program_id(1).to(tl.int64)
     i_split = tl.program_id(2)
@@ -230,34 +236,37 @@ def xqa_direct_kernel(
     m_row = o_m < G
     o_row = tl.zeros([BLOCK_G], tl.int64) + i_r
     o_d = tl.arange(0, HEAD_DIM)
-    p_list, count, req = _direct_row_list(idx_ptr, req_ptr, pos_ptr, seq_lens_ptr, scratch_ptr, i_r, W,
-                                          num_reqs, max_blocks, stride_idx_row, stride_scratch_row, BLOCK_SIZE,
-                                          BLOCK_W)
+    req, pos, seq_len, row_ok = _row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs)
+    p_idx = idx_ptr + i_r * stride_idx_row
     p_bt = bt_ptr + req * stride_bt
     p_q = q_ptr + i_r * stride_q_row + o_head[:, None] * stride_q_head + o_d[None, :]
     b_q = tl.load(p_q, mask=m_row[:, None], other=0).to(DOT_DTYPE)
 
+    # Splits cut the W list positions, so they are known before the row is checked.
     o_n = tl.arange(0, BLOCK_N)
-    tile_start, tile_end = split_range(tl.cdiv(count, BLOCK_N), i_split, NUM_SPLITS)
+    tile_start, tile_end = split_range(tl.cdiv(W, BLOCK_N), i_split, NUM_SPLITS)
+    if PREFETCH:  # the first tile's entries, read from the row as given while the row is checked
+        b_t_next, b_phys_next = _list_entries(p_idx, tile_start * BLOCK_N + o_n, W, p_bt, pos, seq_len,
+                                              max_blocks, BLOCK_SIZE)
+    p_list, n_list, ascending = _direct_row_list(p_idx, scratch_ptr + i_r * stride_scratch_row, pos, seq_len,
+                                                 row_ok, W, max_blocks, BLOCK_SIZE, BLOCK_W)
+    if PREFETCH:
+        if not ascending:
+            b_t_next, b_phys_next = _list_entries(p_list, tile_start * BLOCK_N + o_n, n_list, p_bt, pos,
+                                                  seq_len, max_blocks, BLOCK_SIZE)
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
-    if PREFETCH:
-        o_e = tile_start * BLOCK_N + o_n
-        b_t_next = tl.load(p_list + o_e, mask=o_e < count, other=0)
-        b_phys_next = tl.load(p_bt + b_t_next // BLOCK_SIZE, mask=o_e < count, other=-1)
     for i_t in range(tile_start, tile_end):
         o_e = i_t * BLOCK_N + o_n
         if PREFETCH:
             b_t = b_t_next
             b_phys = b_phys_next
-            m_next = o_e + BLOCK_N < count
-            b_t_next = tl.load(p_list + o_e + BLOCK_N, mask=m_next, other=0)
-            b_phys_next = tl.load(p_bt + b_t_next // BLOCK_SIZE, mask=m_next, other=-1)
+            b_t_next, b_phys_next = _list_entries(p_list, o_e + BLOCK_N, n_list, p_bt, pos, seq_len, max_blocks,
+                                                  BLOCK_SIZE)
         else:
-            b_t = tl.load(p_list + o_e, mask=o_e < count, other=0)
-            b_phys = tl.load(p_bt + b_t // BLOCK_SIZE, mask=o_e < count, other=-1)
-        m_n = (o_e < count) & (b_phys >= 0) & (b_phys < num_blocks)
+            b_t, b_phys = _list_entries(p_list, o_e, n_list, p_bt, pos, seq_len, max_blocks, BLOCK_SIZE)
+        m_n = (b_phys >= 0) & (b_phys < num_blocks)
         o_ktok, o_vtok = token_kv_offsets(b_t, b_phys, i_kvh, stride_k_block, stride_k_tok, stride_k_head,
                                           stride_v_block, stride_v_tok, stride_v_head, BLOCK_SIZE, SAME_KV_STRIDES)
         b_k = load_kv_tile(k_ptr, o_ktok, o_d, m_n, KV_FP8, DOT_DTYPE)
