@@ -116,7 +116,7 @@ def _strictly_ascending(b_t, m_log, b_prev, m_prev, o_c):
 @triton.jit
 def _emit_ascending_row(p_idx, o_c, W, b_t, m_log, b_prev, m_prev, req, pos, seq_len, row_ok, bt_ptr,
                         stride_bt_req, max_blocks, num_blocks, p_ids, p_masks, counts_ptr, i_r,
-                        BLOCK_SIZE: tl.constexpr, PAD: tl.constexpr, EMIT_TOKENS: tl.constexpr):
+                        BLOCK_SIZE: tl.constexpr, PAD: tl.constexpr):
     """Plan a row whose kept tokens are a strictly ascending prefix, with neighbour reads instead of
     scans: a microblock's tokens are at most 4 adjacent entries, so an entry ends its microblock's run
     when the next entry is not a kept token of it, and the run's bits are those of the entry and of the
@@ -124,25 +124,20 @@ def _emit_ascending_row(p_idx, o_c, W, b_t, m_log, b_prev, m_prev, req, pos, seq
     check of one kept token holds for every token of its microblock."""
     b_phys = tl.load(bt_ptr + req * stride_bt_req + b_t // BLOCK_SIZE, mask=m_log, other=-1)
     m_keep = m_log & (b_phys >= 0) & (b_phys < num_blocks)
-    if EMIT_TOKENS:
-        m_emit = m_keep
-        b_id = b_t
-    else:
-        b_unit = b_t >> 2
-        b_next, m_next = _logical_tokens(p_idx, o_c + 1, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
-        m_emit = m_keep & ~(m_next & ((b_next >> 2) == b_unit))
-        b_bits = (1 << (b_t & 3)) | tl.where(m_prev & ((b_prev >> 2) == b_unit), 1 << (b_prev & 3), 0)
-        for j in tl.static_range(2, 4):
-            b_before, m_before = _logical_tokens(p_idx, o_c - j, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
-            b_bits |= tl.where(m_before & ((b_before >> 2) == b_unit), 1 << (b_before & 3), 0)
-        b_id = b_phys * (BLOCK_SIZE // 4) + (b_t % BLOCK_SIZE) // 4
+    b_unit = b_t >> 2
+    b_next, m_next = _logical_tokens(p_idx, o_c + 1, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
+    m_emit = m_keep & ~(m_next & ((b_next >> 2) == b_unit))
+    b_bits = (1 << (b_t & 3)) | tl.where(m_prev & ((b_prev >> 2) == b_unit), 1 << (b_prev & 3), 0)
+    for j in tl.static_range(2, 4):
+        b_before, m_before = _logical_tokens(p_idx, o_c - j, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
+        b_bits |= tl.where(m_before & ((b_before >> 2) == b_unit), 1 << (b_before & 3), 0)
+    b_id = b_phys * (BLOCK_SIZE // 4) + (b_t % BLOCK_SIZE) // 4
     b_slot = tl.cumsum(m_emit.to(tl.int32), 0) - 1
     tl.store(p_ids + b_slot, b_id, mask=m_emit)
+    tl.store(p_masks + b_slot, b_bits.to(tl.uint8), mask=m_emit)
     count = tl.sum(m_emit.to(tl.int32), 0)
     tl.store(counts_ptr + i_r, count)
-    if not EMIT_TOKENS:
-        tl.store(p_masks + b_slot, b_bits.to(tl.uint8), mask=m_emit)
-        _pad_row(count, tl.sum(tl.where(m_emit & (b_slot == 0), b_id, 0), 0), p_ids, p_masks, PAD)
+    _pad_row(count, tl.sum(tl.where(m_emit & (b_slot == 0), b_id, 0), 0), p_ids, p_masks, PAD)
 
 
 @triton.jit
@@ -177,7 +172,8 @@ def single_row_plan_kernel(
     Kept tokens are read CH at a time; each logical unit is emitted where its run ends, with the OR
     of its bits. A row found out of order is handed to ``single_row_sort_plan_kernel``, unless the
     row is one chunk (``ONE_CHUNK``): then it is sorted in place and no second launch is needed, and a
-    row of strictly ascending kept tokens (dropped entries last) takes ``_emit_ascending_row``.
+    microblock list of strictly ascending kept tokens (dropped entries last) takes
+    ``_emit_ascending_row``.
     """
     i_r = tl.program_id(0).to(tl.int64) + row_start
     req, pos, seq_len, row_ok = _row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs)
@@ -186,13 +182,16 @@ def single_row_plan_kernel(
     p_masks = masks_ptr + i_r * stride_masks_row
     o_c = tl.arange(0, CH)
     if ONE_CHUNK:
-        b_t, m_log = _logical_tokens(p_idx, o_c, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
-        b_tp, m_logp = _logical_tokens(p_idx, o_c - 1, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
-        if _strictly_ascending(b_t, m_log, b_tp, m_logp, o_c):
-            _emit_ascending_row(p_idx, o_c, W, b_t, m_log, b_tp, m_logp, req, pos, seq_len, row_ok, bt_ptr,
-                                stride_bt_req, max_blocks, num_blocks, p_ids, p_masks, counts_ptr, i_r,
-                                BLOCK_SIZE, PAD, EMIT_TOKENS)
-        else:
+        ascending = False
+        if not EMIT_TOKENS:  # token lists stay on the gather path: they measured slower on this one
+            b_t, m_log = _logical_tokens(p_idx, o_c, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
+            b_tp, m_logp = _logical_tokens(p_idx, o_c - 1, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
+            ascending = _strictly_ascending(b_t, m_log, b_tp, m_logp, o_c)
+            if ascending:
+                _emit_ascending_row(p_idx, o_c, W, b_t, m_log, b_tp, m_logp, req, pos, seq_len, row_ok, bt_ptr,
+                                    stride_bt_req, max_blocks, num_blocks, p_ids, p_masks, counts_ptr, i_r,
+                                    BLOCK_SIZE, PAD)
+        if not ascending:
             b_key, b_phys = _kept_keys(p_idx, o_c, W, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req,
                                        max_blocks, num_blocks, BLOCK_SIZE)
             b_prev = tl.gather(b_key, tl.maximum(o_c - 1, 0), 0)
