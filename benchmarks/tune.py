@@ -40,8 +40,9 @@ PLANNER = [  # grouped planner: quads per row step, scan step, num_warps, progra
 ROW_PLANNER = [  # single-row planner: indices per step, warps (None: the defaults of qsa.plan.row_plan_chunk)
     (None, None), (512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8),
 ]
-DIRECT_SPLITS = (33, 48, 64)
-"""Split counts past routes.MAX_SPLITS tried for the direct xqa kernel on workloads of at most 16 rows."""
+DIRECT_SPLITS = (17, 33, 48, 65)
+"""Split counts tried for the direct xqa kernel besides routes.direct_split_count's, on workloads of at most
+16 rows (a 2051-wide row is 65 tiles of 32 tokens)."""
 SPLIT = [  # tile_tokens, num_warps, num_stages, programs_per_sm, prefetch (splitk sweeps the first three; the
     # direct xqa kernel sweeps them all on workloads of at most routes.DIRECT_MAX_ROWS rows)
     (64, 4, 2, 1, False), (64, 4, 2, 3, False), (64, 4, 3, 1, False), (64, 4, 3, 1, True), (32, 4, 4, 1, True),
@@ -214,7 +215,7 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
                                                w.positions, w.seq_lens, row_start=0, config=cfg, **kw)
                 return out
             record(scn.name, "direct-attn", setting, run_direct, check)
-        if rows <= 16:  # few rows: finer splits than routes.MAX_SPLITS allows, default settings
+        if rows <= 16:  # few rows: other split counts, default settings
             for splits in direct_splits:
                 def run_direct_splits(splits=splits):
                     attention.xqa_direct_attention(q, c.k, c.v, w.indices, w.block_table, w.token_to_req,
