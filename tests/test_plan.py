@@ -10,6 +10,8 @@ from qsa.plan import (PAD, GroupedPlan, PlanWorkspace, grouped_capacity, physica
 from qsa.reference import (_kept_tokens, compare_plans, make_attention_case, reference_grouped_plan,
                            reference_single_row_plan)
 
+from test_xqa_direct import ascending_rows
+
 
 def plans(case, *, group_rows=8, num_rows=None):
     inputs = case.plan_inputs()
@@ -316,24 +318,15 @@ def test_row_planner_settings_give_one_plan(monkeypatch):
         plan_single_rows(**inputs, num_warps=3)
 
 
-def _select_order(indices: torch.Tensor) -> torch.Tensor:
-    """Rows as ``select_tokens`` emits them: distinct non-negative entries ascending, then -1."""
-    big = 1 << 30
-    key = torch.sort(torch.where(indices < 0, big, indices), dim=1).values
-    dup = torch.zeros_like(key, dtype=torch.bool)
-    dup[:, 1:] = key[:, 1:] == key[:, :-1]
-    key = torch.sort(key.masked_fill(dup, big), dim=1).values
-    return key.masked_fill(key == big, -1).to(torch.int32)
-
-
 @pytest.mark.parametrize("emit_tokens", [False, True])
 def test_ascending_rows_in_one_step(emit_tokens):
-    """Rows in ``select_tokens`` order planned in one step (the neighbour-read path): microblocks of 1 to
-    4 kept tokens, a microblock cut by the row's position, tokens past the length, the table's end and
-    pages whose table entry is -1 or past the cache, in the middle of the row; rows with nothing kept.
-    Also as several steps and shuffled (the other paths): one plan."""
+    """Rows in ``select_tokens`` order planned in one step (microblock lists: the neighbour-read path;
+    token lists: the gather path): microblocks of 1 to 4 kept tokens, a microblock cut by the row's
+    position, tokens past the length, the table's end and pages whose table entry is -1 or past the
+    cache, in the middle of the row; rows with nothing kept. Also as several steps and shuffled (the
+    other paths): one plan."""
     case = make_attention_case(rows=12, num_reqs=3, block_size=16, width=60, max_seq_len=120, seed=12)
-    idx = _select_order(case.indices)
+    idx = ascending_rows(case.indices)
     idx[0] = torch.cat([torch.arange(0, 45), torch.full((15,), -1)])  # dense: full microblocks then a cut one
     idx[1] = torch.arange(0, 240, 4)  # one token per microblock, past everything at the end
     idx[2] = torch.cat([torch.arange(1, 31, 2), torch.full((45,), -1)])

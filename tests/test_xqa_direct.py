@@ -137,8 +137,10 @@ def test_public_op_with_sorted_rows(monkeypatch):
     check(case, got)
     small = make_attention_case(rows=7, num_reqs=2, num_q_heads=4, num_kv_heads=2, head_dim=16, width=20,
                                 with_gate=True, seed=26)
-    monkeypatch.setattr(routes, "split_count", lambda programs, max_tiles, per_sm, device: 2)
+    calls = []
+    monkeypatch.setattr(routes, "direct_split_count", lambda *a: calls.append(a) or 2)
     check(small, small.run(qsa.sparse_paged_attention, route="xqa", rows_sorted=True, return_lse=True))
+    assert calls, "the direct kernel's split count was not consulted"
 
 
 @pytest.mark.parametrize("shape", [

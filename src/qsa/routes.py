@@ -234,9 +234,10 @@ def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device
 MAX_SPLITS = 32
 
 
-def split_count(programs: int, max_tiles: int, programs_per_sm: int, device: torch.device) -> int:
+def split_count(programs: int, max_tiles: int, programs_per_sm: int, device: torch.device,
+                cap: int = MAX_SPLITS) -> int:
     """Splits per work list (row or group) so that a launch of ``programs`` lists has about
-    ``programs_per_sm`` programs per SM; one when the lists alone fill the device.
+    ``programs_per_sm`` programs per SM (at most ``cap``); one when the lists alone fill the device.
 
     The count depends on the batch shape only, never on the data, so a fixed shape always cuts a
     list at the same positions (bitwise determinism for a fixed batch shape, SPEC section 7).
@@ -245,7 +246,7 @@ def split_count(programs: int, max_tiles: int, programs_per_sm: int, device: tor
     target = programs_per_sm * facts["sm_count"]
     if facts["kind"] != "cuda" or programs >= target:  # the interpreter runs programs one by one
         return 1
-    return max(1, min(MAX_SPLITS, max_tiles, -(-target // max(programs, 1))))
+    return max(1, min(cap, max_tiles, -(-target // max(programs, 1))))
 
 
 DIRECT_MAX_SPLITS = 64
@@ -253,12 +254,8 @@ DIRECT_MAX_SPLITS = 64
 
 
 def direct_split_count(programs: int, tiles: int, programs_per_sm: int, device: torch.device) -> int:
-    """Splits of the direct xqa kernel, whose rows are ``tiles`` tiles long whatever they keep: about
-    ``programs_per_sm`` programs per SM (at most ``DIRECT_MAX_SPLITS``), then as few splits as hold
-    the same most tiles per split, so that no split is empty."""
-    facts = device_facts(str(device))
-    target = programs_per_sm * facts["sm_count"]
-    if facts["kind"] != "cuda" or programs >= target:
-        return 1
-    want = max(1, min(DIRECT_MAX_SPLITS, tiles, -(-target // max(programs, 1))))
+    """Splits of the direct xqa kernel, whose rows are ``tiles`` tiles long whatever they keep:
+    :func:`split_count` up to ``DIRECT_MAX_SPLITS``, then as few splits as hold the same most tiles per
+    split, so that no split is empty."""
+    want = split_count(programs, tiles, programs_per_sm, device, cap=DIRECT_MAX_SPLITS)
     return -(-tiles // -(-tiles // want))

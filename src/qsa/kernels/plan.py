@@ -24,12 +24,19 @@ def _row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs):
 
 
 @triton.jit
+def _logically_kept(b_t, pos, seq_len, max_blocks, BLOCK_SIZE: tl.constexpr):
+    """SPEC section 4 checks that do not need the block table: 0 <= t < seq_len, t <= pos, t's block
+    inside the table."""
+    return (b_t >= 0) & (b_t < seq_len) & (b_t <= pos) & (b_t // BLOCK_SIZE < max_blocks)
+
+
+@triton.jit
 def _kept_keys(p_idx, o_w, W, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req, max_blocks, num_blocks,
                BLOCK_SIZE: tl.constexpr):
     """(token ``t`` where it is kept (SPEC section 4), INT32_MAX where it is dropped; its block)."""
     b_t = tl.load(p_idx + o_w, mask=(o_w < W) & row_ok, other=-1)
     b_lb = b_t // BLOCK_SIZE
-    m_keep = (b_t >= 0) & (b_t < seq_len) & (b_t <= pos) & (b_lb < max_blocks)
+    m_keep = _logically_kept(b_t, pos, seq_len, max_blocks, BLOCK_SIZE)
     b_phys = tl.load(bt_ptr + req * stride_bt_req + b_lb, mask=m_keep, other=-1)
     m_keep = m_keep & (b_phys >= 0) & (b_phys < num_blocks)
     return tl.where(m_keep, b_t, INT32_MAX), b_phys
@@ -102,7 +109,7 @@ def _logical_tokens(p_idx, o_w, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE:
     """(token at columns ``o_w``, whether it passes the checks not involving the block table);
     columns outside ``[0, W)`` read as dropped."""
     b_t = tl.load(p_idx + o_w, mask=(o_w >= 0) & (o_w < W) & row_ok, other=-1)
-    return b_t, (b_t >= 0) & (b_t < seq_len) & (b_t <= pos) & (b_t // BLOCK_SIZE < max_blocks)
+    return b_t, _logically_kept(b_t, pos, seq_len, max_blocks, BLOCK_SIZE)
 
 
 @triton.jit

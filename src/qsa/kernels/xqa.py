@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .common import attend_tile, load_kv_tile, split_range, store_output, store_partial, token_kv_offsets
-from .plan import INT32_MAX, _row_setup
+from .plan import INT32_MAX, _logically_kept, _row_setup
 
 
 @triton.jit
@@ -163,7 +163,7 @@ def _list_entries(p_list, o_e, n_list, p_bt, pos, seq_len, max_blocks, BLOCK_SIZ
     """(token, physical block) of list entries ``o_e``; the block is -1 for an entry past the list or
     a token the row does not keep (the block-table check is the caller's)."""
     b_t = tl.load(p_list + o_e, mask=o_e < n_list, other=-1)
-    m_keep = (b_t >= 0) & (b_t < seq_len) & (b_t <= pos) & (b_t // BLOCK_SIZE < max_blocks)
+    m_keep = _logically_kept(b_t, pos, seq_len, max_blocks, BLOCK_SIZE)
     b_phys = tl.load(p_bt + b_t // BLOCK_SIZE, mask=m_keep, other=-1)
     return b_t, b_phys
 
