@@ -76,10 +76,12 @@ def resource_usage(compiled) -> dict:
     usage = {k: int(v) for k, v in zip(("regs", "stack", "shared_static", "local"), m.groups())} if m else {}
     usage["shared"] = compiled.metadata.shared
     usage["wgmma_serialized"] = "C7515" in info.stdout + info.stderr
+    usage["pdl"] = "griddepcontrol.wait" in compiled.asm["ptx"]
     usage["mma"] = "wgmma" if "wgmma" in compiled.asm["ptx"] else ("mma" if "mma.sync" in compiled.asm["ptx"] else "none")
     return usage
 
 
+compile_sm90_ = compile_sm90
 SMEM_LIMIT = 227 * 1024
 ACT = {"fp16": tl.float16, "bf16": tl.bfloat16}
 
@@ -89,7 +91,7 @@ def _attention_pointers(act, cache):
             "out_ptr": f"*{act}", "lse_ptr": "*fp32", "part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32"}
 
 
-FLAGS = dict(HEAD_DIM=256, BLOCK_SIZE=16, HAS_GATE=True, RETURN_LSE=True)
+FLAGS = dict(HEAD_DIM=256, BLOCK_SIZE=16, HAS_GATE=True, RETURN_LSE=True, PDL=True)
 
 
 def check_grouped_kernel(act, cache, G):
@@ -104,6 +106,7 @@ def check_grouped_kernel(act, cache, G):
     assert usage["mma"] == "wgmma", usage
     assert not usage["wgmma_serialized"], usage
     assert usage["shared"] <= SMEM_LIMIT, usage
+    assert usage["pdl"], usage
     return usage
 
 
@@ -130,10 +133,15 @@ def check_single_row_kernel(route, cache):
                                                DOT_DTYPE=tl.float16, **cx, **FLAGS),
                             floats=("qk_scale", "v_scale"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     assert usage["shared"] <= SMEM_LIMIT, usage
+    assert usage["pdl"], usage
     return usage
 
 
 def check_merge_and_planner_kernels():
+    def compile_sm90(kernel, pointers, constexprs, **kw):  # as launched on sm_90: with PDL
+        _, usage = compile_sm90_(kernel, pointers, {**constexprs, "PDL": True}, **kw)
+        assert usage["pdl"], (kernel, usage)
+
     compile_sm90(merge_splits_kernel, {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*fp16",
                                        "gate_ptr": "*fp16", "lse_ptr": "*fp32"},
                  dict(NUM_SPLITS=8, BLOCK_S=8, HEAD_DIM=256, HAS_GATE=True, RETURN_LSE=True), floats=("v_scale",))

@@ -304,3 +304,23 @@ def test_auto_sends_a_decode_batch_to_xqa():
     meta = StepMetadata.build(torch.tensor([0, 0, 1]), [4, 5, 7], [8, 8], [[0], [1]], [-1] * 3,
                               block_size=16, device="cpu")
     assert meta.max_query_len == 2
+
+
+def test_dependent_launch_only_where_supported(monkeypatch):
+    """Programmatic dependent launch is asked for on sm_90 and newer GPUs only, never under the
+    interpreter, and ``QSA_PDL=0`` turns it off; a launch passes the same switch to the kernel."""
+    from qsa import utils
+
+    assert not utils.dependent_launch("cpu")
+    facts = {"cuda:0": {"kind": "cuda", "capability": (9, 0)}, "cuda:1": {"kind": "cuda", "capability": (8, 9)}}
+    monkeypatch.setattr(utils, "device_facts", lambda d: facts[d])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not utils.dependent_launch("cuda:0")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.delenv("QSA_PDL", raising=False)
+    assert utils.dependent_launch("cuda:0") and not utils.dependent_launch("cuda:1")
+    assert utils.launch_options("cuda:0") == {"PDL": 1, "launch_pdl": True}
+    assert utils.launch_options("cuda:0", early_trigger=False) == {"PDL": 2, "launch_pdl": True}
+    monkeypatch.setenv("QSA_PDL", "0")
+    assert not utils.dependent_launch("cuda:0")
+    assert utils.launch_options("cuda:0") == {"PDL": 0, "launch_pdl": False}

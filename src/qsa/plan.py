@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .utils import INT32_MAX, check_tensor, next_pow2, round_up
+from .utils import INT32_MAX, check_tensor, launch_options, next_pow2, round_up
 
 PAD = 16
 """Plans pad their lists to a multiple of this many entries (a multiple of every kernel tile)."""
@@ -351,7 +351,7 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
         GROUP_ROWS=group_rows, BLOCK_Q=next_pow2(group_rows), BLOCK_SIZE=block_size,
         QUADS=min(config.quads, max(1, next_pow2(-(-width // 4)))),
         SCAN=min(config.scan, max(PAD, next_pow2(microblocks))), LAYOUT=0 if config.layout == "nibbles" else 1,
-        PAD=PAD, num_warps=config.num_warps,
+        PAD=PAD, num_warps=config.num_warps, **launch_options(device),
     )
     return out
 
@@ -410,7 +410,8 @@ def _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_si
                   CH=chunk, PAD=PAD, EMIT_TOKENS=emit_tokens)
     single_row_plan_kernel[(rows - row_start,)](
         indices, block_table, token_to_req, positions, seq_lens, ids, masks, counts, unsorted, num_unsorted,
-        row_start, **common, ONE_CHUNK=one_chunk, num_warps=num_warps or max(4, min(16, chunk // 128)))
+        row_start, **common, ONE_CHUNK=one_chunk, num_warps=num_warps or max(4, min(16, chunk // 128)),
+        **launch_options(device))
     if one_chunk:
         return
     facts = device_facts(str(device))
@@ -419,7 +420,8 @@ def _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_si
     keys = torch.empty((programs, block_w), dtype=torch.int32, device=device)
     single_row_sort_plan_kernel[(programs,)](
         indices, block_table, token_to_req, positions, seq_lens, ids, masks, counts, unsorted, num_unsorted,
-        keys, programs, **common, BLOCK_W=block_w, num_warps=max(4, min(16, block_w // 256)))
+        keys, programs, **common, BLOCK_W=block_w, num_warps=max(4, min(16, block_w // 256)),
+        **launch_options(device))
 
 
 def physical_order(plan: GroupedPlan) -> GroupedPlan:

@@ -69,6 +69,25 @@ def same_device(device_a: torch.device, device_b: torch.device) -> bool:
     return True
 
 
+def dependent_launch(device) -> bool:
+    """Whether kernels on ``device`` launch with programmatic dependent launch (PDL, sm_90 and newer):
+    a kernel's programs may start while the previous kernel on the stream finishes, and wait for its
+    writes before their first global access. ``QSA_PDL=0`` turns it off; never under the interpreter."""
+    if interpreter_enabled() or os.environ.get("QSA_PDL", "1") == "0":
+        return False
+    facts = device_facts(str(torch.device(device)))
+    return facts["kind"] == "cuda" and facts["capability"] >= (9, 0)
+
+
+def launch_options(device, *, early_trigger: bool = True) -> dict:
+    """Keyword arguments every kernel launch takes: programmatic dependent launch where supported
+    (:func:`dependent_launch`), the kernel waiting for its predecessor in ``enter_launch``. With
+    ``early_trigger`` the next kernel may begin launching as soon as every program of this one has
+    started; without, when they have all exited."""
+    pdl = dependent_launch(device)
+    return dict(PDL=(1 if early_trigger else 2) if pdl else 0, launch_pdl=pdl)
+
+
 @functools.lru_cache(maxsize=None)
 def device_facts(device: str) -> dict:
     """Facts the launchers and admission need: SM count, compute capability, shared memory."""

@@ -3,10 +3,24 @@ and the fixed-order merge of split partials."""
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LN2 = tl.constexpr(0.6931471805599453)
 RESCALE_SLACK = tl.constexpr(8.0)
 """Lazy rescaling lets probabilities grow to 2**8 before the reference max moves."""
+
+
+@triton.jit
+def enter_launch(PDL: tl.constexpr):
+    """First statement of every kernel. ``PDL``: 0, a plain launch; 1 or 2, a programmatic dependent
+    launch: wait until the previous kernel on the stream has finished and its writes are visible,
+    after letting the next kernel begin launching (1) or not (2: it launches as this one's programs
+    exit). Nothing global is read or written before the wait, so such a launch is safe after any
+    kernel, and the waits chain: a kernel's predecessor has itself waited for its own."""
+    if PDL != 0:
+        if PDL == 1:
+            gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit
@@ -214,10 +228,12 @@ def merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """Combine the splits of one head of one row. All splits are loaded at once and reduced by a
     fixed tree (the same for every call of a shape), not one after another: a row's merge is one
     round of loads (the accumulators do not wait on the sums), whatever the split count."""
+    enter_launch(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     o_s = tl.arange(0, BLOCK_S)

@@ -4,7 +4,7 @@ all query heads of a KV head, with tensor-core QK^T and PV and per-row 4-bit mas
 import triton
 import triton.language as tl
 
-from .common import attend_tile, load_kv_microblocks, split_range, store_output, store_partial
+from .common import attend_tile, enter_launch, load_kv_microblocks, split_range, store_output, store_partial
 
 
 @triton.jit
@@ -53,7 +53,9 @@ def grouped_attention_kernel(
     DOT_DTYPE: tl.constexpr,  # operand dtype of both dots (fp32 under the interpreter for bf16)
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
+    enter_launch(PDL)
     SUBS: tl.constexpr = GROUP_ROWS // ROWS_PER_PROG
     BLOCK_N: tl.constexpr = 4 * MB
     MB_PER_BLOCK: tl.constexpr = BLOCK_SIZE // 4

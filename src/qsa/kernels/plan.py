@@ -3,6 +3,8 @@
 import triton
 import triton.language as tl
 
+from .common import enter_launch
+
 INT32_MAX = tl.constexpr(2**31 - 1)
 
 
@@ -173,6 +175,7 @@ def single_row_plan_kernel(
     PAD: tl.constexpr,
     EMIT_TOKENS: tl.constexpr,  # emit distinct kept logical tokens instead of microblocks
     ONE_CHUNK: tl.constexpr,  # CH >= W: sort a row found out of order here, in registers
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """One row whose kept tokens already ascend (as select_tokens emits them): one streaming pass.
 
@@ -182,6 +185,7 @@ def single_row_plan_kernel(
     microblock list of strictly ascending kept tokens (dropped entries last) takes
     ``_emit_ascending_row``.
     """
+    enter_launch(PDL)
     i_r = tl.program_id(0).to(tl.int64) + row_start
     req, pos, seq_len, row_ok = _row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs)
     p_idx = idx_ptr + i_r * stride_idx_row
@@ -264,8 +268,10 @@ def single_row_sort_plan_kernel(
     CH: tl.constexpr,
     PAD: tl.constexpr,
     EMIT_TOKENS: tl.constexpr,
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """Rows whose indices are not in ascending order: sort the kept tokens, then stream as above."""
+    enter_launch(PDL)
     pid = tl.program_id(0)
     p_keys = keys_ptr + pid.to(tl.int64) * BLOCK_W
     o_w = tl.arange(0, BLOCK_W)
@@ -352,6 +358,7 @@ def grouped_plan_kernel(
     SCAN: tl.constexpr,  # logical microblocks per emission step (a multiple of 8)
     LAYOUT: tl.constexpr,
     PAD: tl.constexpr,
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """Union of each group's rows by (request, logical microblock), emitted in ascending logical order.
 
@@ -364,6 +371,7 @@ def grouped_plan_kernel(
     zeroes the scratch again. Index quads that fall in one microblock (as select_tokens emits them) take
     a single atomic.
     """
+    enter_launch(PDL)
     pid = tl.program_id(0)
     p_bits = bits_ptr + pid.to(tl.int64) * XCAP
     o_q = tl.arange(0, BLOCK_Q)

@@ -7,7 +7,8 @@ combines in a fixed order. Any G works (the head tile is padded to a power of tw
 import triton
 import triton.language as tl
 
-from .common import attend_tile, load_kv_tile, split_range, store_output, store_partial, token_kv_offsets
+from .common import (attend_tile, enter_launch, load_kv_tile, split_range, store_output, store_partial,
+                     token_kv_offsets)
 
 
 @triton.jit
@@ -53,7 +54,9 @@ def splitk_attention_kernel(
     DOT_DTYPE: tl.constexpr,
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
+    enter_launch(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     i_kvh = tl.program_id(1).to(tl.int64)
     i_split = tl.program_id(2)

@@ -8,7 +8,8 @@ small batches whose rows come sorted (no plan launch)."""
 import triton
 import triton.language as tl
 
-from .common import attend_tile, load_kv_tile, split_range, store_output, store_partial, token_kv_offsets
+from .common import (attend_tile, enter_launch, load_kv_tile, split_range, store_output, store_partial,
+                     token_kv_offsets)
 from .plan import INT32_MAX, _logically_kept, _row_setup
 
 
@@ -56,7 +57,9 @@ def xqa_attention_kernel(
     DOT_DTYPE: tl.constexpr,
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
+    enter_launch(PDL)
     BLOCK_N: tl.constexpr = 4 * MB
     MB_PER_BLOCK: tl.constexpr = BLOCK_SIZE // 4
     i_local = tl.program_id(0).to(tl.int64)
@@ -221,11 +224,13 @@ def xqa_direct_kernel(
     DOT_DTYPE: tl.constexpr,
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """xqa without a planner launch: each program takes its split of the W positions of its row's
     list, which is the row of ``indices`` itself when it ascends and a sorted copy otherwise (see
     ``_direct_row_list``), and gathers K/V token by token through the block table, dropping tokens the
     row does not keep and tokens whose table entry is not a block of the cache."""
+    enter_launch(PDL)
     i_local = tl.program_id(0).to(tl.int64)
     i_kvh = tl.program_id(1).to(tl.int64)
     i_split = tl.program_id(2)
