@@ -276,7 +276,7 @@ def test_runs_across_chunk_boundaries(shuffle, one_chunk, monkeypatch):
     rows), or the row is out of order and goes through the sorting planner. With ``one_chunk`` the
     row planner reads each row in one step and sorts a row out of order itself."""
     if one_chunk:
-        monkeypatch.setattr(qsa.plan, "row_plan_chunk", lambda rows, width, device: 2048)
+        monkeypatch.setattr(qsa.plan, "row_plan_chunk", lambda rows, width, device, **kw: 2048)
     width = 1300
     toks = (torch.arange(width) + 1) // 3  # each token about 3 times; microblock runs of ~12 entries
     toks[-7:] = -1
@@ -309,13 +309,34 @@ def test_row_planner_settings_give_one_plan(monkeypatch):
     inputs = case.plan_inputs()
     ref = reference_single_row_plan(**inputs)
     assert compare_plans(plan_single_rows(**inputs, num_warps=1), ref) == []
-    monkeypatch.setattr(qsa.plan, "row_plan_chunk", lambda *a: pytest.fail("the given chunk was not used"))
+    monkeypatch.setattr(qsa.plan, "row_plan_chunk", lambda *a, **kw: pytest.fail("the given chunk was not used"))
     for chunk, warps in ((16, 4), (32, 2), (128, 8)):
-        assert compare_plans(plan_single_rows(**inputs, chunk=chunk, num_warps=warps), ref) == [], (chunk, warps)
+        for steps in (False, True):
+            plan = plan_single_rows(**inputs, chunk=chunk, num_warps=warps, ascending_steps=steps)
+            assert compare_plans(plan, ref) == [], (chunk, warps, steps)
     with pytest.raises(ValueError, match="chunk"):
         plan_single_rows(**inputs, chunk=24)
     with pytest.raises(ValueError, match="num_warps"):
         plan_single_rows(**inputs, num_warps=3)
+    with pytest.raises(TypeError, match="ascending_steps"):
+        plan_single_rows(**inputs, ascending_steps=1)
+
+
+def test_row_planner_default_steps(monkeypatch):
+    """One step for up to one row per SM (two for token lists, whose one-step program fits twice per
+    SM), steps of 1024 on the scan-free path up to two rows per SM, steps of 512 on the streaming scan
+    beyond; a narrow row is one step; the CPU takes short steps."""
+    import qsa.utils
+
+    monkeypatch.setattr(qsa.utils, "device_facts", lambda d: {"kind": "cuda", "sm_count": 132})
+    pick = lambda rows, width=2051, tokens=False: (qsa.plan.row_plan_chunk(rows, width, "cuda", tokens=tokens),  # noqa: E731
+                                                   qsa.plan.row_plan_ascending_steps(rows, "cuda"))
+    assert pick(8) == (4096, False) and pick(132) == (4096, False)
+    assert pick(133) == (1024, True) and pick(256) == (1024, True) and pick(264) == (512, False)
+    assert pick(256, tokens=True)[0] == 4096 and pick(264, tokens=True)[0] == 512
+    assert pick(256, width=300) == (512, True)
+    monkeypatch.setattr(qsa.utils, "device_facts", lambda d: {"kind": "cpu", "sm_count": 2})
+    assert pick(1) == (512, False)
 
 
 @pytest.mark.parametrize("emit_tokens", [False, True])
@@ -330,18 +351,24 @@ def test_ascending_rows_in_one_step(emit_tokens):
     idx[0] = torch.cat([torch.arange(0, 45), torch.full((15,), -1)])  # dense: full microblocks then a cut one
     idx[1] = torch.arange(0, 240, 4)  # one token per microblock, past everything at the end
     idx[2] = torch.cat([torch.arange(1, 31, 2), torch.full((45,), -1)])
-    case.positions[0:3] = torch.tensor([41, 119, 28])
+    idx[3] = torch.cat([torch.arange(0, 40), torch.tensor([3, 41, 42]), torch.full((17,), -1)])  # out of order late
+    case.positions[0:4] = torch.tensor([41, 119, 28, 43])
+    case.token_to_req[3] = 1
     case.indices = idx
     inputs = case.plan_inputs()
     if emit_tokens:
         tokens, counts = qsa.plan.token_lists(**inputs)
         for r in range(idx.shape[0]):
-            kept = _kept_tokens(idx[r], int(inputs["token_to_req"][r]), int(inputs["positions"][r]),
+            kept = _kept_tokens(idx[r].tolist(), int(inputs["token_to_req"][r]), int(inputs["positions"][r]),
                                 inputs["seq_lens"], inputs["block_table"], 16, inputs["num_blocks"])
             assert counts[r].item() == len(kept) and tokens[r, :len(kept)].tolist() == kept, r
         return
     ref = reference_single_row_plan(**inputs)
     assert compare_plans(plan_single_rows(**inputs, chunk=64), ref) == []
     assert compare_plans(plan_single_rows(**inputs, chunk=16), ref) == []
+    # several steps on the neighbour-read path: runs straddle steps, and row 3 leaves it for the sorting
+    # planner in a later step, after the steps before were emitted
+    for chunk in (16, 32):
+        assert compare_plans(plan_single_rows(**inputs, chunk=chunk, ascending_steps=True), ref) == []
     shuffled = case.with_permuted_indices(torch.Generator().manual_seed(13)).plan_inputs()
     assert compare_plans(plan_single_rows(**shuffled, chunk=64), ref) == []

@@ -123,30 +123,46 @@ def _strictly_ascending(b_t, m_log, b_prev, m_prev, o_c):
 
 
 @triton.jit
-def _emit_ascending_row(p_idx, o_c, W, b_t, m_log, b_prev, m_prev, req, pos, seq_len, row_ok, bt_ptr,
-                        stride_bt_req, max_blocks, num_blocks, p_ids, p_masks, counts_ptr, i_r,
-                        BLOCK_SIZE: tl.constexpr, PAD: tl.constexpr):
-    """Plan a row whose kept tokens are a strictly ascending prefix, with neighbour reads instead of
-    scans: a microblock's tokens are at most 4 adjacent entries, so an entry ends its microblock's run
-    when the next entry is not a kept token of it, and the run's bits are those of the entry and of the
-    up to 3 before it in the same microblock. A table entry covers a whole block, so the block-table
-    check of one kept token holds for every token of its microblock."""
-    b_phys = tl.load(bt_ptr + req * stride_bt_req + b_t // BLOCK_SIZE, mask=m_log, other=-1)
+def _emit_ascending(p_idx, o_w, W, b_t, m_log, b_phys, b_prev, m_prev, pos, seq_len, row_ok, max_blocks, num_blocks,
+                    p_ids, p_masks, count, first_id, BLOCK_SIZE: tl.constexpr):
+    """Emit the entries at columns ``o_w`` of a row whose kept tokens are a strictly ascending prefix,
+    after the ``count`` already emitted, with neighbour reads instead of scans: a microblock's tokens
+    are at most 4 adjacent entries, so an entry ends its microblock's run when the next entry is not a
+    kept token of it, and the run's bits are those of the entry and of the up to 3 before it in the
+    same microblock (read from the row, so a run may straddle two steps). A table entry covers a whole
+    block, so the block-table check of one kept token holds for every token of its microblock;
+    ``b_phys`` is the table entry of each kept token (-1 elsewhere). Returns the new count and the
+    list's first id."""
     m_keep = m_log & (b_phys >= 0) & (b_phys < num_blocks)
     b_unit = b_t >> 2
-    b_next, m_next = _logical_tokens(p_idx, o_c + 1, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
+    b_next, m_next = _logical_tokens(p_idx, o_w + 1, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
     m_emit = m_keep & ~(m_next & ((b_next >> 2) == b_unit))
     b_bits = (1 << (b_t & 3)) | tl.where(m_prev & ((b_prev >> 2) == b_unit), 1 << (b_prev & 3), 0)
     for j in tl.static_range(2, 4):
-        b_before, m_before = _logical_tokens(p_idx, o_c - j, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
+        b_before, m_before = _logical_tokens(p_idx, o_w - j, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
         b_bits |= tl.where(m_before & ((b_before >> 2) == b_unit), 1 << (b_before & 3), 0)
     b_id = b_phys * (BLOCK_SIZE // 4) + (b_t % BLOCK_SIZE) // 4
-    b_slot = tl.cumsum(m_emit.to(tl.int32), 0) - 1
+    b_slot = count + tl.cumsum(m_emit.to(tl.int32), 0) - 1
     tl.store(p_ids + b_slot, b_id, mask=m_emit)
     tl.store(p_masks + b_slot, b_bits.to(tl.uint8), mask=m_emit)
-    count = tl.sum(m_emit.to(tl.int32), 0)
-    tl.store(counts_ptr + i_r, count)
-    _pad_row(count, tl.sum(tl.where(m_emit & (b_slot == 0), b_id, 0), 0), p_ids, p_masks, PAD)
+    first_id = tl.where(count == 0, tl.sum(tl.where(m_emit & (b_slot == 0), b_id, 0), 0), first_id)
+    return count + tl.sum(m_emit.to(tl.int32), 0), first_id
+
+
+@triton.jit
+def _ascending_step(p_idx, o_w, W, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req, max_blocks, num_blocks,
+                    p_ids, p_masks, count, first_id, BLOCK_SIZE: tl.constexpr):
+    """Columns ``o_w`` of a microblock row: whether they keep the row strictly ascending (checked
+    against the column before each), and if so, their entries emitted (``_emit_ascending``)."""
+    b_t, m_log = _logical_tokens(p_idx, o_w, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
+    # the table entries load with the row, before its order is known: a row in order needs them
+    b_phys = tl.load(bt_ptr + req * stride_bt_req + b_t // BLOCK_SIZE, mask=m_log, other=-1)
+    b_tp, m_logp = _logical_tokens(p_idx, o_w - 1, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
+    ordered = _strictly_ascending(b_t, m_log, b_tp, m_logp, o_w)
+    if ordered:
+        count, first_id = _emit_ascending(p_idx, o_w, W, b_t, m_log, b_phys, b_tp, m_logp, pos, seq_len, row_ok,
+                                          max_blocks, num_blocks, p_ids, p_masks, count, first_id, BLOCK_SIZE)
+    return ordered, count, first_id
 
 
 @triton.jit
@@ -175,15 +191,17 @@ def single_row_plan_kernel(
     PAD: tl.constexpr,
     EMIT_TOKENS: tl.constexpr,  # emit distinct kept logical tokens instead of microblocks
     ONE_CHUNK: tl.constexpr,  # CH >= W: sort a row found out of order here, in registers
+    ASCENDING_STEPS: tl.constexpr = False,  # several steps, microblocks: the scan-free path of ascending rows
     PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """One row whose kept tokens already ascend (as select_tokens emits them): one streaming pass.
 
     Kept tokens are read CH at a time; each logical unit is emitted where its run ends, with the OR
     of its bits. A row found out of order is handed to ``single_row_sort_plan_kernel``, unless the
-    row is one chunk (``ONE_CHUNK``): then it is sorted in place and no second launch is needed, and a
-    microblock list of strictly ascending kept tokens (dropped entries last) takes
-    ``_emit_ascending_row``.
+    row is one chunk (``ONE_CHUNK``): then it is sorted in place and no second launch is needed. A
+    microblock list of strictly ascending kept tokens (dropped entries last) is emitted by
+    ``_ascending_step`` without scans: in one step, or with ``ASCENDING_STEPS`` in several, where a
+    step found out of order hands the row on (the steps it already emitted are rewritten).
     """
     enter_launch(PDL)
     i_r = tl.program_id(0).to(tl.int64) + row_start
@@ -195,13 +213,12 @@ def single_row_plan_kernel(
     if ONE_CHUNK:
         ascending = False
         if not EMIT_TOKENS:  # token lists stay on the gather path: they measured slower on this one
-            b_t, m_log = _logical_tokens(p_idx, o_c, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
-            b_tp, m_logp = _logical_tokens(p_idx, o_c - 1, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
-            ascending = _strictly_ascending(b_t, m_log, b_tp, m_logp, o_c)
+            ascending, count, first_id = _ascending_step(p_idx, o_c, W, req, pos, seq_len, row_ok, bt_ptr,
+                                                         stride_bt_req, max_blocks, num_blocks, p_ids, p_masks,
+                                                         tl.zeros([], tl.int32), tl.zeros([], tl.int32), BLOCK_SIZE)
             if ascending:
-                _emit_ascending_row(p_idx, o_c, W, b_t, m_log, b_tp, m_logp, req, pos, seq_len, row_ok, bt_ptr,
-                                    stride_bt_req, max_blocks, num_blocks, p_ids, p_masks, counts_ptr, i_r,
-                                    BLOCK_SIZE, PAD)
+                tl.store(counts_ptr + i_r, count)
+                _pad_row(count, first_id, p_ids, p_masks, PAD)
         if not ascending:
             b_key, b_phys = _kept_keys(p_idx, o_c, W, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req,
                                        max_blocks, num_blocks, BLOCK_SIZE)
@@ -213,6 +230,21 @@ def single_row_plan_kernel(
             count, _ = _emit_sorted_chunk(b_key, b_phys, INT32_MAX, -1, 0, 0, p_ids, p_masks, BLOCK_SIZE, CH,
                                           EMIT_TOKENS)
             _finish_row(count, p_ids, p_masks, counts_ptr, i_r, PAD, EMIT_TOKENS)
+    elif ASCENDING_STEPS and not EMIT_TOKENS:
+        count = tl.zeros([], tl.int32)
+        first_id = tl.zeros([], tl.int32)
+        ordered = W >= 0
+        c = 0
+        while (c < W) & ordered:
+            ordered, count, first_id = _ascending_step(p_idx, c + o_c, W, req, pos, seq_len, row_ok, bt_ptr,
+                                                       stride_bt_req, max_blocks, num_blocks, p_ids, p_masks, count,
+                                                       first_id, BLOCK_SIZE)
+            c += CH
+        if ordered:
+            tl.store(counts_ptr + i_r, count)
+            _pad_row(count, first_id, p_ids, p_masks, PAD)
+        else:
+            tl.store(unsorted_ptr + tl.atomic_add(num_unsorted_ptr, 1), i_r.to(tl.int32))
     else:
         b_key, b_phys = _kept_keys(p_idx, o_c, W, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req, max_blocks,
                                    num_blocks, BLOCK_SIZE)
