@@ -37,8 +37,10 @@ PLANNER = [  # grouped planner: quads per row step, scan step, num_warps, progra
       for q, s, w, p in ((64, 2048, 8, 4), (64, 1024, 4, 8), (32, 1024, 4, 8), (128, 2048, 8, 4),
                          (64, 4096, 8, 4), (64, 2048, 4, 8), (128, 4096, 8, 2), (32, 512, 4, 16))),
 ]
-ROW_PLANNER = [  # single-row planner: indices per step, warps (None: the defaults of qsa.plan.row_plan_chunk)
-    (None, None), (512, 4), (1024, 4), (1024, 8), (2048, 8), (4096, 8),
+ROW_PLANNER = [  # single-row planner: indices per step, warps, scan-free steps (None: the defaults of
+    # qsa.plan.row_plan_chunk and row_plan_ascending_steps)
+    (None, None, None), (512, 4, False), (1024, 4, False), (1024, 8, False), (512, 4, True), (1024, 4, True),
+    (1024, 8, True), (2048, 8, True), (4096, 8, None),
 ]
 DIRECT_SPLITS = (17, 33, 48, 65)
 """Split counts tried for the direct xqa kernel besides routes.direct_split_count's, on workloads of at most
@@ -82,7 +84,7 @@ def main(argv=None) -> int:
     grouped_settings = (GROUPED[0], GROUPED[3]) if args.smoke else GROUPED
     split_settings = (SPLIT[0], SPLIT[3]) if args.smoke else SPLIT
     planner_settings = (PLANNER[0], PLANNER[-1]) if args.smoke else PLANNER
-    row_planner_settings = (ROW_PLANNER[0], (16, 4)) if args.smoke else ROW_PLANNER
+    row_planner_settings = (ROW_PLANNER[0], (16, 4, True)) if args.smoke else ROW_PLANNER
     direct_splits = (3,) if args.smoke else DIRECT_SPLITS
     if args.no_planner:
         planner_settings = ()
@@ -153,10 +155,10 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
     record(scn.name, "plan-single", "-", lambda: plan_single_rows(**inputs, out=single))
     if scn.num_reqs > 1 or rows <= 16:  # decode and MTP: the row planner's step width and warps
         check_row_plan = same_plan_as(plan_single_rows(**inputs))
-        for chunk, warps in row_planner_settings:
-            def run_row_planner(chunk=chunk, warps=warps):
-                return plan_single_rows(**inputs, chunk=chunk, num_warps=warps)
-            record(scn.name, "plan-single", (chunk, warps), run_row_planner, check_row_plan)
+        for chunk, warps, steps in row_planner_settings:
+            def run_row_planner(chunk=chunk, warps=warps, steps=steps):
+                return plan_single_rows(**inputs, chunk=chunk, num_warps=warps, ascending_steps=steps)
+            record(scn.name, "plan-single", (chunk, warps, steps), run_row_planner, check_row_plan)
     if rows >= 8 and scn.num_reqs == 1:
         ws = PlanWorkspace.for_plan(w.block_table, block_size=c.block_size, num_groups=rows // 8)
         grouped = plan_groups(**inputs, workspace=ws)
