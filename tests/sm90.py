@@ -151,7 +151,8 @@ def check_merge_and_planner_kernels():
     for chunk, warps, tokens, steps in ((512, 4, False, False), (4096, 16, False, False), (4096, 16, True, False),
                                         (512, 4, False, True), (1024, 4, False, True)):
         compile_sm90(single_row_plan_kernel, rows, dict(BLOCK_SIZE=16, CH=chunk, PAD=16, EMIT_TOKENS=tokens,
-                                                        ONE_CHUNK=chunk == 4096, ASCENDING_STEPS=steps), num_warps=warps)
+                                                        ONE_CHUNK=chunk == 4096, ASCENDING_STEPS=steps),
+                     num_warps=warps)
     compile_sm90(single_row_sort_plan_kernel, rows,
                  dict(BLOCK_SIZE=16, BLOCK_W=4096, CH=512, PAD=16, EMIT_TOKENS=True), num_warps=16)
     groups = {"idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32",

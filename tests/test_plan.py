@@ -329,8 +329,11 @@ def test_row_planner_default_steps(monkeypatch):
     import qsa.utils
 
     monkeypatch.setattr(qsa.utils, "device_facts", lambda d: {"kind": "cuda", "sm_count": 132})
-    pick = lambda rows, width=2051, tokens=False: (qsa.plan.row_plan_chunk(rows, width, "cuda", tokens=tokens),  # noqa: E731
-                                                   qsa.plan.row_plan_ascending_steps(rows, "cuda"))
+
+    def pick(rows, width=2051, tokens=False):
+        return (qsa.plan.row_plan_chunk(rows, width, "cuda", tokens=tokens),
+                qsa.plan.row_plan_ascending_steps(rows, "cuda"))
+
     assert pick(8) == (4096, False) and pick(132) == (4096, False)
     assert pick(133) == (1024, True) and pick(256) == (1024, True) and pick(264) == (512, False)
     assert pick(256, tokens=True)[0] == 4096 and pick(264, tokens=True)[0] == 512

@@ -428,13 +428,14 @@ def _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_si
     else:
         unsorted = torch.empty((rows,), dtype=torch.int32, device=device)
         num_unsorted = torch.zeros((1,), dtype=torch.int32, device=device)
+    steps = bool(ascending_steps) and not (emit_tokens or one_chunk)  # one kernel variant where it is unused
     common = dict(W=width, num_reqs=block_table.shape[0], max_blocks=block_table.shape[1],
                   num_blocks=num_blocks, stride_idx_row=indices.stride(0), stride_bt_req=block_table.stride(0),
                   stride_ids_row=ids.stride(0), stride_masks_row=masks.stride(0), BLOCK_SIZE=block_size,
                   CH=chunk, PAD=PAD, EMIT_TOKENS=emit_tokens)
     single_row_plan_kernel[(rows - row_start,)](
         indices, block_table, token_to_req, positions, seq_lens, ids, masks, counts, unsorted, num_unsorted,
-        row_start, **common, ONE_CHUNK=one_chunk, ASCENDING_STEPS=bool(ascending_steps),
+        row_start, **common, ONE_CHUNK=one_chunk, ASCENDING_STEPS=steps,
         num_warps=num_warps or max(4, min(16, chunk // 128)),
         **launch_options(device))
     if one_chunk:
