@@ -4,7 +4,9 @@ For each scenario and route, the step (``plan_attention`` into fixed buffers, th
 is captured in a CUDA graph; the graph is replayed with the L2 flushed before each replay, as
 ``qsa bench`` times it, and the PyTorch profiler records every kernel of the replays. The table lists
 each kernel's median duration per step next to the replay's median wall time (the rest is launch gaps
-and dependencies between the kernels).
+and dependencies between the kernels). With programmatic dependent launch (sm_90, ``QSA_PDL=0`` turns it
+off) a kernel may start before its predecessor ends and wait for it, so its duration includes that wait
+and the durations can add up to more than the replay.
 
     python -m benchmarks.breakdown decode-64 mtp-8 --route xqa --route splitk --out /tmp/breakdown
 """
