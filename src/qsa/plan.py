@@ -136,12 +136,12 @@ class PlannerConfig:
 
 PLANNER = PlannerConfig()
 """The grouped planner's settings for many groups (a prefill chunk): small steps, many programs per SM.
-On the H200 (``benchmarks/tune.py``, 8192 rows x 2051 indices at 64K): 0.148 ms, against 0.174 ms
-for ``PLANNER_FEW`` and 0.25 ms for the slowest setting swept."""
+On the H200, 8192 rows x 2051 indices at 64K: 0.142 ms, against 0.142-0.236 ms for the other settings
+swept (``benchmarks/results/experiments/2026-11-30-0232-grouped-planner-nvidia-h200.json``)."""
 
 PLANNER_FEW = PlannerConfig(quads=64, scan=4096, num_warps=8, programs_per_sm=4)
 """The grouped planner's settings for fewer groups than SMs (MTP, small batches), where one group's
-latency is the time: wide steps. One group of 8 rows x 2051 indices at 64K: 0.037 ms (0.057 ms with
+latency is the time: wide steps. One group of 8 rows x 2051 indices at 64K: 0.025 ms (0.041 ms with
 ``PLANNER``)."""
 
 

@@ -344,20 +344,57 @@ LAYOUT_ROWS = tl.constexpr(1)  # row q's own bitmap: word x // 8, microblock x a
 
 
 @triton.jit
-def _quad_bits(b_t, b_ok, b_q, LAYOUT: tl.constexpr, XCAP):
-    """Per index quad (last axis): (scratch word of the quad's microblock, its bits, whether all kept
-    tokens of the quad share one microblock); and per token (word, bit) for quads that do not."""
+def _word_bit(b_t, b_q, LAYOUT: tl.constexpr, XCAP):
+    """(scratch word, bit) of token ``b_t`` of group row ``b_q`` (see LAYOUT_*)."""
     b_x = b_t >> 2
     if LAYOUT == LAYOUT_NIBBLES:
-        b_word = b_x
-        b_bit = tl.where(b_ok, 1 << (b_t & 3), 0) << (4 * b_q)
+        return b_x, (1 << (b_t & 3)) << (4 * b_q)
     else:
-        b_word = b_q * (XCAP // 8) + (b_x >> 3)
-        b_bit = tl.where(b_ok, 1 << (b_t & 3), 0) << (4 * (b_x & 7))
-    q_lo = tl.min(tl.where(b_ok, b_x, XCAP), 2)
-    q_hi = tl.max(tl.where(b_ok, b_x, -1), 2)
-    q_word = tl.min(tl.where(b_ok, b_word, 2**31 - 1), 2)
-    return q_word, tl.reduce(b_bit, 2, _or), q_lo == q_hi, b_word, b_bit, q_lo, q_hi
+        return b_q * (XCAP // 8) + (b_x >> 3), (1 << (b_t & 3)) << (4 * (b_x & 7))
+
+
+@triton.jit
+def _or_token(p_bits, p_bt, b_t, b_ok, b_q, num_blocks, LAYOUT: tl.constexpr, XCAP, BLOCK_SIZE: tl.constexpr):
+    """Set the bit of each token ``b_t`` where ``b_ok`` and its block-table entry is valid."""
+    b_phys = tl.load(p_bt + b_t // BLOCK_SIZE, mask=b_ok, other=-1)
+    b_word, b_bit = _word_bit(b_t, b_q, LAYOUT, XCAP)
+    tl.atomic_or(p_bits + b_word, b_bit, mask=b_ok & (b_phys >= 0) & (b_phys < num_blocks), sem="relaxed")
+
+
+@triton.jit
+def _or_quads(p_bits, p_bt, t0, t1, t2, t3, k0, k1, k2, k3, b_q, num_blocks, LAYOUT: tl.constexpr, XCAP,
+              BLOCK_SIZE: tl.constexpr):
+    """Set the bits of the kept tokens of index quads ``(t0, t1, t2, t3)`` (``k*``: kept by the checks
+    not involving the block table). A quad whose kept tokens share one microblock (as select_tokens
+    emits them) takes one table lookup and one atomic; the tokens of any other quad take their own.
+    The four columns of a quad are separate tensors of one layout, so no step reduces across threads.
+    Returns the lowest and highest logical microblock of each quad's kept tokens (XCAP, -1: none)."""
+    PER_BLOCK: tl.constexpr = BLOCK_SIZE // 4
+    x0 = t0 >> 2
+    x1 = t1 >> 2
+    x2 = t2 >> 2
+    x3 = t3 >> 2
+    lo = tl.minimum(tl.minimum(tl.where(k0, x0, XCAP), tl.where(k1, x1, XCAP)),
+                    tl.minimum(tl.where(k2, x2, XCAP), tl.where(k3, x3, XCAP)))
+    hi = tl.maximum(tl.maximum(tl.where(k0, x0, -1), tl.where(k1, x1, -1)),
+                    tl.maximum(tl.where(k2, x2, -1), tl.where(k3, x3, -1)))
+    one = lo == hi
+    nib = (tl.where(k0, 1 << (t0 & 3), 0) | tl.where(k1, 1 << (t1 & 3), 0)
+           | tl.where(k2, 1 << (t2 & 3), 0) | tl.where(k3, 1 << (t3 & 3), 0))
+    b_phys = tl.load(p_bt + lo // PER_BLOCK, mask=one, other=-1)
+    if LAYOUT == LAYOUT_NIBBLES:
+        q_word = lo
+        q_bits = nib << (4 * b_q)
+    else:
+        q_word = b_q * (XCAP // 8) + (lo >> 3)
+        q_bits = nib << (4 * (lo & 7))
+    tl.atomic_or(p_bits + q_word, q_bits, mask=one & (b_phys >= 0) & (b_phys < num_blocks), sem="relaxed")
+    split = ~one
+    _or_token(p_bits, p_bt, t0, k0 & split, b_q, num_blocks, LAYOUT, XCAP, BLOCK_SIZE)
+    _or_token(p_bits, p_bt, t1, k1 & split, b_q, num_blocks, LAYOUT, XCAP, BLOCK_SIZE)
+    _or_token(p_bits, p_bt, t2, k2 & split, b_q, num_blocks, LAYOUT, XCAP, BLOCK_SIZE)
+    _or_token(p_bits, p_bt, t3, k3 & split, b_q, num_blocks, LAYOUT, XCAP, BLOCK_SIZE)
+    return lo, hi
 
 
 @triton.jit
@@ -401,14 +438,15 @@ def grouped_plan_kernel(
     A scan over the touched microblocks, in ascending logical order, emits every nonzero one as an entry
     (its physical id from the block table, the row nibbles as the 32-bit mask) at a running count, and
     zeroes the scratch again. Index quads that fall in one microblock (as select_tokens emits them) take
-    a single atomic.
+    a single block-table lookup and a single atomic (``_or_quads``). The bitmap pass reduces nothing
+    across threads inside its loop (the touched range is reduced once after it), and the scan reads
+    whole 8-word sectors.
     """
     enter_launch(PDL)
     pid = tl.program_id(0)
     p_bits = bits_ptr + pid.to(tl.int64) * XCAP
     o_q = tl.arange(0, BLOCK_Q)
     o_a = tl.arange(0, QUADS)
-    o_t = tl.arange(0, 4)
     PER_BLOCK: tl.constexpr = BLOCK_SIZE // 4
     STEP: tl.constexpr = 4 * QUADS
     SCAN_W: tl.constexpr = SCAN // 8
@@ -422,7 +460,7 @@ def grouped_plan_kernel(
         b_pending = m_q & (b_req >= 0) & (b_req < num_reqs) & (b_pos >= 0)
         p_gids = g_ids_ptr + g.to(tl.int64) * stride_g_ids
         p_gmasks = g_masks_ptr + g.to(tl.int64) * stride_g_masks
-        p_idx = idx_ptr + (row0 + o_q[:, None, None]) * stride_idx_row
+        p_idx = idx_ptr + (row0 + o_q[:, None]) * stride_idx_row
         count = 0
         while tl.max(b_pending.to(tl.int32), 0) > 0:
             # The request of the first pending row, and all pending rows of it.
@@ -430,50 +468,67 @@ def grouped_plan_kernel(
             req = tl.sum(tl.where(o_q == q_first, b_req, 0), 0)
             b_mine = b_pending & (b_req == req)
             b_pending = b_pending & ~b_mine
-            seq_len = tl.load(seq_lens_ptr + req).to(tl.int64)
+            seq_len = tl.load(seq_lens_ptr + req)
             p_bt = bt_ptr + req * stride_bt_req
 
             # Phase 1: set the bits of every kept token of the request's rows (next step's indices in flight).
-            x_lo = XCAP
-            x_hi = -1
-            o_col = 4 * o_a[None, :, None] + o_t[None, None, :]  # [1, QUADS, 4]
-            b_t_next = tl.load(p_idx + o_col, mask=b_mine[:, None, None] & (o_col < W), other=-1)
+            o_c = 4 * o_a[None, :]  # [1, QUADS]: first column of each quad
+            m_r = b_mine[:, None]
+            p_r = p_idx + o_c
+            b_pos_r = tl.minimum(b_pos, INT32_MAX).to(tl.int32)[:, None]  # tokens are int32
+            n0 = tl.load(p_r, mask=m_r & (o_c < W), other=-1)
+            n1 = tl.load(p_r + 1, mask=m_r & (o_c + 1 < W), other=-1)
+            n2 = tl.load(p_r + 2, mask=m_r & (o_c + 2 < W), other=-1)
+            n3 = tl.load(p_r + 3, mask=m_r & (o_c + 3 < W), other=-1)
+            b_lo = tl.full([BLOCK_Q, QUADS], XCAP, tl.int32)
+            b_hi = tl.full([BLOCK_Q, QUADS], -1, tl.int32)
             for c in range(0, W, STEP):
-                b_t = b_t_next
-                o_next = c + STEP + o_col
-                b_t_next = tl.load(p_idx + o_next, mask=b_mine[:, None, None] & (o_next < W), other=-1)
-                b_lb = b_t // BLOCK_SIZE
-                m_t = (b_t >= 0) & (b_t < seq_len) & (b_t <= b_pos[:, None, None]) & (b_lb < max_blocks)
-                b_phys = tl.load(p_bt + b_lb, mask=m_t, other=-1)
-                m_t = m_t & (b_phys >= 0) & (b_phys < num_blocks)
-                q_word, q_bits, m_one, b_word, b_bit, q_lo, q_hi = _quad_bits(
-                    b_t, m_t, o_q[:, None, None], LAYOUT, XCAP)
-                tl.atomic_or(p_bits + q_word, q_bits, mask=m_one, sem="relaxed")
-                tl.atomic_or(p_bits + b_word, b_bit, mask=m_t & ~m_one[:, :, None], sem="relaxed")
-                x_lo = tl.minimum(x_lo, tl.min(tl.min(q_lo, 1), 0))
-                x_hi = tl.maximum(x_hi, tl.max(tl.max(q_hi, 1), 0))
+                t0, t1, t2, t3 = n0, n1, n2, n3
+                o_n = c + STEP + o_c
+                n0 = tl.load(p_r + c + STEP, mask=m_r & (o_n < W), other=-1)
+                n1 = tl.load(p_r + c + STEP + 1, mask=m_r & (o_n + 1 < W), other=-1)
+                n2 = tl.load(p_r + c + STEP + 2, mask=m_r & (o_n + 2 < W), other=-1)
+                n3 = tl.load(p_r + c + STEP + 3, mask=m_r & (o_n + 3 < W), other=-1)
+                lo, hi = _or_quads(
+                    p_bits, p_bt, t0, t1, t2, t3,
+                    _logically_kept(t0, b_pos_r, seq_len, max_blocks, BLOCK_SIZE),
+                    _logically_kept(t1, b_pos_r, seq_len, max_blocks, BLOCK_SIZE),
+                    _logically_kept(t2, b_pos_r, seq_len, max_blocks, BLOCK_SIZE),
+                    _logically_kept(t3, b_pos_r, seq_len, max_blocks, BLOCK_SIZE),
+                    o_q[:, None], num_blocks, LAYOUT, XCAP, BLOCK_SIZE)
+                b_lo = tl.minimum(b_lo, lo)
+                b_hi = tl.maximum(b_hi, hi)
+            # The scanned range, widened to whole 8-word sectors (the scratch is zero past the touched words).
+            x_lo = tl.min(tl.min(b_lo, 1), 0) // 8 * 8
+            x_hi = tl.max(tl.max(b_hi, 1), 0)
+            x_end = tl.where(x_hi >= 0, (x_hi // 8 + 1) * 8, 0)
             tl.debug_barrier()
 
             # Phase 2: emit the nonzero microblocks in ascending logical order; leave the scratch zero.
             if LAYOUT == LAYOUT_NIBBLES:
-                o_s = tl.arange(0, SCAN)
-                for s in range(x_lo, x_hi + 1, SCAN):
-                    o_x = s + o_s
-                    b_v = tl.load(p_bits + o_x, mask=o_x <= x_hi, other=0, cache_modifier=".cg")
+                # [SCAN // 8, 8]: whole 8-word sectors; a running count per sector, then within it.
+                o_r = tl.arange(0, SCAN_W)
+                o_j = tl.arange(0, 8)
+                for k in range(0, tl.cdiv(x_end - x_lo, SCAN)):
+                    s8 = tl.multiple_of(x_lo + k * SCAN, 8)
+                    o_x = s8 + o_r[:, None] * 8 + o_j[None, :]
+                    b_v = tl.load(p_bits + o_x, mask=(s8 + o_r * 8 < x_end)[:, None], other=0,
+                                  cache_modifier=".cg")
                     m_live = b_v != 0
-                    b_slot = count + tl.cumsum(m_live.to(tl.int32), 0) - 1
+                    b_n = tl.sum(m_live.to(tl.int32), 1)
+                    b_slot = (count + tl.cumsum(b_n, 0) - b_n)[:, None] + tl.cumsum(m_live.to(tl.int32), 1) - 1
                     b_page = tl.load(p_bt + o_x // PER_BLOCK, mask=m_live, other=0)
                     tl.store(p_gids + b_slot, b_page * PER_BLOCK + o_x % PER_BLOCK, mask=m_live)
                     tl.store(p_gmasks + b_slot, b_v, mask=m_live)
-                    tl.store(p_bits + o_x, tl.zeros([SCAN], tl.int32), mask=m_live)
-                    count += tl.sum(m_live.to(tl.int32), 0)
+                    tl.store(p_bits + o_x, tl.zeros([SCAN_W, 8], tl.int32), mask=m_live)
+                    count += tl.sum(b_n, 0)
             else:
                 o_w = tl.arange(0, SCAN_W)
                 o_j = tl.arange(0, 8)
                 m_rows = o_q[:, None] < GROUP_ROWS
-                for s in range(x_lo // 8, x_hi // 8 + 1, SCAN_W):
+                for s in range(x_lo // 8, x_end // 8, SCAN_W):
                     p_words = p_bits + o_q[:, None] * (XCAP // 8) + s + o_w[None, :]  # [BLOCK_Q, SCAN_W]
-                    b_words = tl.load(p_words, mask=m_rows & (s + o_w[None, :] <= x_hi // 8), other=0,
+                    b_words = tl.load(p_words, mask=m_rows & (s + o_w[None, :] < x_end // 8), other=0,
                                       cache_modifier=".cg")
                     b_nib = (b_words[:, :, None] >> (4 * o_j[None, None, :])) & 0xF
                     b_v = tl.reduce(b_nib << (4 * o_q[:, None, None]), 0, _or)  # [SCAN_W, 8]
