@@ -95,7 +95,7 @@ FLAGS = dict(HEAD_DIM=256, BLOCK_SIZE=16, HAS_GATE=True, RETURN_LSE=True, PDL=Tr
 
 
 def check_grouped_kernel(act, cache, G):
-    cfg = routes.grouped_config(G, 256)
+    cfg = routes.grouped_config(G, 256, kv_fp8=cache == "u8")
     ptrs = {**_attention_pointers(act, cache), "ids_ptr": "*i32", "masks_ptr": "*i32", "counts_ptr": "*i32"}
     _, usage = compile_sm90(
         grouped_attention_kernel, ptrs,

@@ -63,7 +63,7 @@ def test_split_lists_merge_in_order(route, monkeypatch):
         small = qsa.routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=prefetch)
         monkeypatch.setattr(qsa.routes, "xqa_config", lambda G, D: small)
         monkeypatch.setattr(qsa.routes, "splitk_config", lambda G, D: small)
-        monkeypatch.setattr(qsa.routes, "grouped_config", lambda G, D: qsa.routes.GroupedConfig(
+        monkeypatch.setattr(qsa.routes, "grouped_config", lambda G, D, kv_fp8=False: qsa.routes.GroupedConfig(
             rows_per_prog=8, block_m=16, mb=4, num_warps=4, num_stages=2, prefetch=prefetch))
     use(prefetch)
     check_route(case, route)
@@ -82,7 +82,7 @@ def test_grouped_lazy_rescale(lazy, monkeypatch):
     case = make_attention_case(rows=16, num_reqs=2, num_q_heads=4, num_kv_heads=1, head_dim=16, width=64,
                                max_seq_len=200, messy=False, seed=7)
     case.q.mul_(8)
-    monkeypatch.setattr(qsa.routes, "grouped_config", lambda G, D: qsa.routes.GroupedConfig(
+    monkeypatch.setattr(qsa.routes, "grouped_config", lambda G, D, kv_fp8=False: qsa.routes.GroupedConfig(
         rows_per_prog=8, block_m=32, mb=2, num_warps=4, num_stages=2, lazy_rescale=lazy))
     check_route(case, "grouped")
     mapping = random_mapping(case.cache.num_blocks, generator=torch.Generator().manual_seed(8))
@@ -324,3 +324,14 @@ def test_dependent_launch_only_where_supported(monkeypatch):
     monkeypatch.setenv("QSA_PDL", "0")
     assert not utils.dependent_launch("cuda:0")
     assert utils.launch_options("cuda:0") == {"PDL": 0, "launch_pdl": False}
+
+
+def test_grouped_config_defaults():
+    """The shipped grouped settings (routes.grouped_config docstring): 64-row tiles on 4 warps with three
+    stages for 6/1 at D=256, the plan-entry prefetch with an FP8 cache; 128-row tiles for 12/1 and 24/2."""
+    cfg = qsa.routes.grouped_config(6, 256)
+    assert (cfg.block_m, cfg.num_warps, cfg.num_stages, cfg.prefetch, cfg.lazy_rescale) == (64, 4, 3, False, False)
+    assert qsa.routes.grouped_config(6, 256, kv_fp8=True).prefetch
+    for G in (12, 24):
+        wide = qsa.routes.grouped_config(G, 256)
+        assert (wide.block_m, wide.num_warps, wide.num_stages, wide.prefetch, wide.lazy_rescale) == (128, 8, 3, True, True)

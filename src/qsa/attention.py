@@ -54,7 +54,7 @@ def grouped_attention(q, k, v, plan: GroupedPlan, *, out, lse, gate, softmax_sca
     hq, d = q.shape[1], q.shape[2]
     hkv = k.shape[2]
     G = hq // hkv
-    cfg = config or routes.grouped_config(G, d)
+    cfg = config or routes.grouped_config(G, d, kv_fp8)
     strides, g, lse_t = _common(q, k, v, out, gate, lse)
     subs = plan.group_rows // cfg.rows_per_prog
     programs = plan.num_groups * subs * hkv

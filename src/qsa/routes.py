@@ -84,15 +84,20 @@ class RoutePlan:
     direct: bool = False  # xqa rows read their lists straight from ``indices`` (no single-row plan)
 
 
-def grouped_config(G: int, head_dim: int) -> GroupedConfig:
+def grouped_config(G: int, head_dim: int, kv_fp8: bool = False) -> GroupedConfig:
     """Tuned defaults per shape (see docs/perf-notes.md).
 
     head_dim 256: up to 8 heads per KV head, 8 rows fill a 64-row tile (4 warps, two programs per SM,
-    two K/V buffers); prefill-64k's attention kernel took 0.594 ms at overlap 0.98 on the H200
-    (benchmarks/results/tune-2026-11-29-2044). More heads (12/1, 24/2) take 128-row tiles on 8 warps
-    with the plan-entry prefetch and the lazily rescaled accumulator, which keeps 8 (12/1) or 4 (24/2)
-    rows per program: 0.46 ms (12/1) and 0.86 ms (24/2) for 2048 rows at 8K, overlap 0.8
-    (tune-2026-11-29-2027). The lazy rescale costs more than it saves on 64-row tiles (0.648 ms).
+    num_stages 3). On the H200 the attention kernel of prefill-64k took 0.510-0.512 ms at overlap 0.98
+    (0.561 ms with num_stages 2, the default until the v4.1 kernel changed its loads) and 1.000 ms at
+    overlap 0.8 (1.081-1.083); bf16 the same; prefill-128k-o80 1.028-1.031 ms (1.118-1.119). An FP8
+    cache loads a quarter of the bytes per tile into registers: there num_stages 3 alone was slower
+    (1.312-1.322 vs 1.272 ms at o80) and with the plan-entry prefetch faster (1.245 ms)
+    (benchmarks/results/experiments/2026-11-30-0246-grouped-stages-nvidia-h200.json). More heads (12/1,
+    24/2) take 128-row tiles on 8 warps with the plan-entry prefetch and the lazily rescaled accumulator,
+    which keeps 8 (12/1) or 4 (24/2) rows per program: 0.46 ms (12/1) and 0.86 ms (24/2) for 2048 rows
+    at 8K, overlap 0.8 (tune-2026-11-29-2027); 12/1 at 64K, overlap 0.8: 1.66-1.67 ms with 3 stages,
+    1.82 ms with 4, 2.16 ms with 2. The lazy rescale costs more than it saves on 64-row tiles.
     """
     wide = head_dim == 256 and GROUP_ROWS * G > 64  # 12/1, 24/2: 128-row tiles, 8 warps, prefetch
     tile_rows = 64 if head_dim == 256 and not wide else MAX_TILE_ROWS
@@ -100,7 +105,7 @@ def grouped_config(G: int, head_dim: int) -> GroupedConfig:
     while rows > 1 and rows * G > tile_rows:
         rows //= 2
     return GroupedConfig(rows_per_prog=rows, block_m=max(16, next_pow2(rows * G)), mb=8,
-                         num_warps=8 if wide else 4, num_stages=3 if wide else 2, prefetch=wide,
+                         num_warps=8 if wide else 4, num_stages=3, prefetch=wide or kv_fp8,
                          lazy_rescale=wide)
 
 
