@@ -193,6 +193,31 @@ def test_planner_settings_give_one_plan(quads, scan, layout):
     assert compare_plans(plan_groups(**case.plan_inputs(), config=cfg), ref) == []
 
 
+@pytest.mark.parametrize("quads,scan", [(1, 16), (2, 32), (32, 1024)])
+def test_planner_whole_quads_over_long_contexts(quads, scan):
+    """Contexts of thousands of tokens, odd rows as select_tokens writes them (whole microblocks, each in
+    one index quad: the one-lookup path of the bitmap pass), even rows scattered tokens (the per-token
+    path), invalid table entries included; many scan steps at the small settings. Scratch left zero."""
+    from qsa.plan import PlannerConfig
+
+    case = make_attention_case(rows=19, num_reqs=3, block_size=16, width=40, max_seq_len=6000, seed=22)
+    g = torch.Generator().manual_seed(5)
+    for r in range(1, 19, 2):
+        mbs = torch.randperm(max(int(case.positions[r]), 0) // 4 + 1, generator=g)[:10]
+        if int(case.token_to_req[r]) == 2 and not (mbs == 0).any():
+            mbs[0] = 0  # block 0 of the last request has an out-of-range table entry: a dropped whole quad
+        row = torch.full((40,), -1, dtype=torch.int32)
+        row[:4 * len(mbs)] = (4 * mbs[:, None] + torch.arange(4)).reshape(-1)
+        case.indices[r] = row
+    ref = reference_grouped_plan(**case.plan_inputs())
+    assert int(ref.counts.sum()) > 100 and case.block_table.shape[1] * 4 > 1024
+    cfg = PlannerConfig(quads=quads, scan=scan, num_warps=4, programs_per_sm=1)
+    ws = PlanWorkspace.for_plan(case.block_table, block_size=16, num_groups=3, config=cfg)
+    for _ in range(2):
+        assert compare_plans(plan_groups(**case.plan_inputs(), config=cfg, workspace=ws), ref) == []
+        assert int(ws.bits.count_nonzero()) == 0
+
+
 # Known-wrong planners: the checks above must reject each of them.
 
 def _wrong_physical_order(plan: GroupedPlan) -> GroupedPlan:
