@@ -348,6 +348,7 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
     programs = min(workspace.programs, num_groups)
     if config.layout not in ("nibbles", "rows"):
         raise ValueError(f"config.layout must be 'nibbles' or 'rows', got {config.layout!r}")
+    scan = min(config.scan, max(PAD, next_pow2(microblocks)))
     grouped_plan_kernel[(programs,)](
         indices, block_table, token_to_req, positions, seq_lens,
         out.mb_ids, out.masks, out.counts, workspace.bits,
@@ -356,8 +357,8 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
         out.masks.stride(0),
         GROUP_ROWS=group_rows, BLOCK_Q=next_pow2(group_rows), BLOCK_SIZE=block_size,
         QUADS=min(config.quads, max(1, next_pow2(-(-width // 4)))),
-        SCAN=min(config.scan, max(PAD, next_pow2(microblocks))), LAYOUT=0 if config.layout == "nibbles" else 1,
-        PAD=PAD, num_warps=config.num_warps, **launch_options(device),
+        SCAN=scan, LAYOUT=0 if config.layout == "nibbles" else 1,
+        PAD=PAD, SYNC_SCAN=scan < 256 * config.num_warps, num_warps=config.num_warps, **launch_options(device),
     )
     return out
 

@@ -427,6 +427,7 @@ def grouped_plan_kernel(
     SCAN: tl.constexpr,  # logical microblocks per emission step (a multiple of 8)
     LAYOUT: tl.constexpr,
     PAD: tl.constexpr,
+    SYNC_SCAN: tl.constexpr = False,  # barrier between a scan step's loads and its zeroing stores (see below)
     PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """Union of each group's rows by (request, logical microblock), emitted in ascending logical order.
@@ -441,6 +442,11 @@ def grouped_plan_kernel(
     a single block-table lookup and a single atomic (``_or_quads``). The bitmap pass reduces nothing
     across threads inside its loop (the touched range is reduced once after it), and the scan reads
     whole 8-word sectors.
+
+    A scan step of fewer words than 8 per thread lays some words out in threads of several warps, and
+    its prefix sums may then stay inside one warp, with no barrier between the warps; ``SYNC_SCAN`` (set
+    by ``plan_groups`` for such steps) puts one between the step's loads and its zeroing stores, so
+    that no warp zeroes a word another warp has yet to read.
     """
     enter_launch(PDL)
     pid = tl.program_id(0)
@@ -520,6 +526,8 @@ def grouped_plan_kernel(
                     b_page = tl.load(p_bt + o_x // PER_BLOCK, mask=m_live, other=0)
                     tl.store(p_gids + b_slot, b_page * PER_BLOCK + o_x % PER_BLOCK, mask=m_live)
                     tl.store(p_gmasks + b_slot, b_v, mask=m_live)
+                    if SYNC_SCAN:
+                        tl.debug_barrier()
                     tl.store(p_bits + o_x, tl.zeros([SCAN_W, 8], tl.int32), mask=m_live)
                     count += tl.sum(b_n, 0)
             else:
@@ -539,6 +547,8 @@ def grouped_plan_kernel(
                     b_page = tl.load(p_bt + o_x // PER_BLOCK, mask=m_live, other=0)
                     tl.store(p_gids + b_slot, b_page * PER_BLOCK + o_x % PER_BLOCK, mask=m_live)
                     tl.store(p_gmasks + b_slot, b_v, mask=m_live)
+                    if SYNC_SCAN:
+                        tl.debug_barrier()
                     tl.store(p_words, tl.zeros([BLOCK_Q, SCAN_W], tl.int32), mask=b_words != 0)
                     count += tl.sum(b_n, 0)
             tl.debug_barrier()
