@@ -149,6 +149,27 @@ def attend_tile(
 
 
 @triton.jit
+def attend_tokens(
+    b_q, b_t, b_phys,
+    m_n,  # [BLOCK_N] tokens to attend (the others are neither read nor weighed)
+    m_row, i_kvh, k_ptr, v_ptr, o_d, b_m, b_l, b_acc, qk_scale,
+    stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok, stride_v_head,
+    BLOCK_SIZE: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """One tile of tokens ``b_t`` in physical blocks ``b_phys``: K/V of head ``i_kvh`` gathered token by
+    token, attended by the query rows ``m_row`` (``attend_tile``)."""
+    o_ktok, o_vtok = token_kv_offsets(b_t, b_phys, i_kvh, stride_k_block, stride_k_tok, stride_k_head,
+                                      stride_v_block, stride_v_tok, stride_v_head, BLOCK_SIZE, SAME_KV_STRIDES)
+    b_k = load_kv_tile(k_ptr, o_ktok, o_d, m_n, KV_FP8, DOT_DTYPE)
+    b_v = load_kv_tile(v_ptr, o_vtok, o_d, m_n, KV_FP8, DOT_DTYPE)
+    m_attend = m_n[None, :] & m_row[:, None]
+    return attend_tile(b_q, b_k, b_v, m_attend, b_m, b_l, b_acc, qk_scale, DOT_DTYPE)
+
+
+@triton.jit
 def store_output(
     b_acc,  # [BLOCK_M, HEAD_DIM] fp32 unnormalised P @ V
     b_m,  # [BLOCK_M] max, log2 domain
@@ -206,6 +227,28 @@ def store_partial(
     tl.store(part_acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], b_acc, mask=m_row[:, None])
     tl.store(part_ml_ptr + o_part * 2, b_m, mask=m_row)
     tl.store(part_ml_ptr + o_part * 2 + 1, b_l, mask=m_row)
+
+
+@triton.jit
+def store_result(
+    b_acc, b_m, b_l, o_row, o_head, m_row, o_d,
+    o_part_row,  # [BLOCK_M] int64 row of each matrix row in the partial buffers
+    i_split,
+    out_ptr, gate_ptr, lse_ptr, part_acc_ptr, part_ml_ptr, v_scale, Hq,
+    stride_o_row, stride_o_head, stride_g_row, stride_g_head, stride_lse_row,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+):
+    """A program's result: the output itself when rows are not split, else its split's partial."""
+    if NUM_SPLITS == 1:
+        store_output(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, out_ptr, gate_ptr, lse_ptr, v_scale,
+                     stride_o_row, stride_o_head, stride_g_row, stride_g_head, stride_lse_row,
+                     HAS_GATE, RETURN_LSE)
+    else:
+        store_partial(b_acc, b_m, b_l, o_part_row, o_head, m_row, o_d, i_split,
+                      part_acc_ptr, part_ml_ptr, Hq, NUM_SPLITS, HEAD_DIM)
 
 
 @triton.jit

@@ -4,7 +4,7 @@ all query heads of a KV head, with tensor-core QK^T and PV and per-row 4-bit mas
 import triton
 import triton.language as tl
 
-from .common import attend_tile, enter_launch, load_kv_microblocks, split_range, store_output, store_partial
+from .common import attend_tile, enter_launch, load_kv_microblocks, split_range, store_result
 
 
 @triton.jit
@@ -128,10 +128,6 @@ def grouped_attention_kernel(
         b_m, b_l, b_acc = attend_tile(b_q, b_k, b_v, m_attend, b_m, b_l, b_acc, qk_scale, DOT_DTYPE,
                                       LAZY_RESCALE)
 
-    if NUM_SPLITS == 1:
-        store_output(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, out_ptr, gate_ptr, lse_ptr, v_scale,
-                     stride_o_row, stride_o_head, stride_g_row, stride_g_head, stride_lse_row,
-                     HAS_GATE, RETURN_LSE)
-    else:
-        store_partial(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, i_split,
-                      part_acc_ptr, part_ml_ptr, Hq, NUM_SPLITS, HEAD_DIM)
+    store_result(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, o_row, i_split, out_ptr, gate_ptr, lse_ptr,
+                 part_acc_ptr, part_ml_ptr, v_scale, Hq, stride_o_row, stride_o_head, stride_g_row, stride_g_head,
+                 stride_lse_row, NUM_SPLITS, HEAD_DIM, HAS_GATE, RETURN_LSE)
