@@ -344,20 +344,20 @@ LAYOUT_ROWS = tl.constexpr(1)  # row q's own bitmap: word x // 8, microblock x a
 
 
 @triton.jit
-def _word_bit(b_t, b_q, LAYOUT: tl.constexpr, XCAP):
-    """(scratch word, bit) of token ``b_t`` of group row ``b_q`` (see LAYOUT_*)."""
-    b_x = b_t >> 2
+def _word_bits(b_x, b_nib, b_q, LAYOUT: tl.constexpr, XCAP):
+    """(scratch word, bits) of token bits ``b_nib`` (bit ``t % 4``) of logical microblock ``b_x`` for
+    group row ``b_q`` (see LAYOUT_*)."""
     if LAYOUT == LAYOUT_NIBBLES:
-        return b_x, (1 << (b_t & 3)) << (4 * b_q)
+        return b_x, b_nib << (4 * b_q)
     else:
-        return b_q * (XCAP // 8) + (b_x >> 3), (1 << (b_t & 3)) << (4 * (b_x & 7))
+        return b_q * (XCAP // 8) + (b_x >> 3), b_nib << (4 * (b_x & 7))
 
 
 @triton.jit
 def _or_token(p_bits, p_bt, b_t, b_ok, b_q, num_blocks, LAYOUT: tl.constexpr, XCAP, BLOCK_SIZE: tl.constexpr):
     """Set the bit of each token ``b_t`` where ``b_ok`` and its block-table entry is valid."""
     b_phys = tl.load(p_bt + b_t // BLOCK_SIZE, mask=b_ok, other=-1)
-    b_word, b_bit = _word_bit(b_t, b_q, LAYOUT, XCAP)
+    b_word, b_bit = _word_bits(b_t >> 2, 1 << (b_t & 3), b_q, LAYOUT, XCAP)
     tl.atomic_or(p_bits + b_word, b_bit, mask=b_ok & (b_phys >= 0) & (b_phys < num_blocks), sem="relaxed")
 
 
@@ -382,12 +382,7 @@ def _or_quads(p_bits, p_bt, t0, t1, t2, t3, k0, k1, k2, k3, b_q, num_blocks, LAY
     nib = (tl.where(k0, 1 << (t0 & 3), 0) | tl.where(k1, 1 << (t1 & 3), 0)
            | tl.where(k2, 1 << (t2 & 3), 0) | tl.where(k3, 1 << (t3 & 3), 0))
     b_phys = tl.load(p_bt + lo // PER_BLOCK, mask=one, other=-1)
-    if LAYOUT == LAYOUT_NIBBLES:
-        q_word = lo
-        q_bits = nib << (4 * b_q)
-    else:
-        q_word = b_q * (XCAP // 8) + (lo >> 3)
-        q_bits = nib << (4 * (lo & 7))
+    q_word, q_bits = _word_bits(lo, nib, b_q, LAYOUT, XCAP)
     tl.atomic_or(p_bits + q_word, q_bits, mask=one & (b_phys >= 0) & (b_phys < num_blocks), sem="relaxed")
     split = ~one
     _or_token(p_bits, p_bt, t0, k0 & split, b_q, num_blocks, LAYOUT, XCAP, BLOCK_SIZE)
