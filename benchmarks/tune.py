@@ -32,10 +32,13 @@ GROUPED = [  # rows_per_prog (at most), max tile rows, mb, num_warps, num_stages
     (8, 64, 8, 4, 2, 2, True, True), (8, 64, 4, 4, 2, 2, False, True), (8, 64, 4, 4, 3, 2, False, True),
     (8, 128, 8, 8, 3, 2, True, False), (8, 128, 8, 8, 3, 2, True, True), (8, 128, 8, 8, 2, 2, True, True),
 ]
-PLANNER = [  # grouped planner: quads per row step, scan step, num_warps, programs_per_sm, layout
-    *((q, s, w, p, lay) for lay in ("nibbles", "rows")
-      for q, s, w, p in ((64, 2048, 8, 4), (64, 1024, 4, 8), (32, 1024, 4, 8), (128, 2048, 8, 4),
-                         (64, 4096, 8, 4), (64, 2048, 4, 8), (128, 4096, 8, 2), (32, 512, 4, 16))),
+PLANNER = [  # grouped planner: quads per row step, scan step, num_warps, programs_per_sm, layout, flagged
+    # sectors only, table checked in the scan (qsa.plan.PlannerConfig)
+    *((q, s, w, p, "nibbles", True, True)
+      for q, s, w, p in ((32, 2048, 4, 5), (32, 1024, 4, 5), (32, 2048, 4, 8), (64, 2048, 4, 5), (32, 4096, 4, 5),
+                         (32, 2048, 8, 4), (64, 4096, 8, 4))),
+    *((q, s, w, p, "nibbles", False, False) for q, s, w, p in ((32, 1024, 4, 8), (64, 4096, 8, 4))),
+    (32, 1024, 4, 8, "rows", False, False),
 ]
 ROW_PLANNER = [  # single-row planner: indices per step, warps, scan-free steps (None: the defaults of
     # qsa.plan.row_plan_chunk and row_plan_ascending_steps)

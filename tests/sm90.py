@@ -48,7 +48,8 @@ def compile_sm90(kernel, pointers: dict, constexprs: dict, floats=(), num_warps=
             signature[name] = "fp32"
         else:
             signature[name] = "i32"
-    src = triton.compiler.ASTSource(fn=jit, signature=signature, constexprs=constexprs, attrs=attrs)
+    defaults = {p.name: p.default for p in jit.params if p.is_constexpr and p.has_default}
+    src = triton.compiler.ASTSource(fn=jit, signature=signature, constexprs={**defaults, **constexprs}, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "num_stages": num_stages})
     return compiled, resource_usage(compiled)
@@ -158,9 +159,10 @@ def check_merge_and_planner_kernels():
     groups = {"idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32",
               "g_ids_ptr": "*i32", "g_masks_ptr": "*i32", "g_counts_ptr": "*i32", "bits_ptr": "*i32"}
     for cfg in (PLANNER, PLANNER_FEW):
-        for layout in (0, 1):
+        for layout, summary in ((0, cfg.summary), (0, not cfg.summary), (1, False)):
             compile_sm90(grouped_plan_kernel, groups, dict(GROUP_ROWS=8, BLOCK_Q=8, BLOCK_SIZE=16, QUADS=cfg.quads,
-                                                           SCAN=cfg.scan, LAYOUT=layout, PAD=16),
+                                                           SCAN=cfg.scan, LAYOUT=layout, PAD=16, SUMMARY=summary,
+                                                           PTX=True),
                          num_warps=cfg.num_warps)
 
 

@@ -357,7 +357,7 @@ def test_tune_smoke_checks_and_times_every_setting(tmp_path, monkeypatch):
             "direct-total", "direct-splits"} <= whats
     row_planners = {tuple(r["setting"]) for r in records if r["what"] == "plan-single" and r["setting"] != "-"}
     assert row_planners == {(None, None, None), (16, 4, True)}
-    layouts = {r["setting"][-1] for r in records if r["what"] == "plan-grouped" and r["setting"] != "-"}
+    layouts = {r["setting"][4] for r in records if r["what"] == "plan-grouped" and r["setting"] != "-"}
     assert layouts == {"nibbles", "rows"}
 
 

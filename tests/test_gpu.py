@@ -207,12 +207,17 @@ def test_cuda_graph_replay_matches_eager():
         assert torch.equal(out, eager), "graph replay differs from eager"
 
 
-@pytest.mark.parametrize("config", [qsa.plan.PLANNER, qsa.plan.PLANNER_FEW, qsa.plan.PlannerConfig(layout="rows")])
-def test_planners_match_reference_at_real_width(config):
+@pytest.mark.parametrize("config,ptx", [(qsa.plan.PLANNER, True), (qsa.plan.PLANNER, False),
+                                        (qsa.plan.PLANNER_FEW, True), (qsa.plan.PlannerConfig(summary=False), True),
+                                        (qsa.plan.PlannerConfig(layout="rows"), True)])
+def test_planners_match_reference_at_real_width(config, ptx, monkeypatch):
     """Rows of 2051 indices (shuffled, with duplicates and wild values) over 3 requests and an
-    aliased prefix page: the GPU planners equal the loop reference planners exactly."""
+    aliased prefix page: the GPU planners equal the loop reference planners exactly (the grouped
+    planner's scans with and without inline PTX, of flagged sectors or of every word)."""
     from qsa.plan import plan_groups, plan_single_rows
     from qsa.reference import compare_plans, reference_grouped_plan, reference_single_row_plan
+
+    monkeypatch.setattr(qsa.plan, "PTX_SCAN", ptx)
 
     c = qsa_case(rows=75, context=16384, num_reqs=3, head_dim=16, seed=9)
     idx = c["indices"].clone()

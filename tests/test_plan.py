@@ -172,29 +172,37 @@ def test_workspace_is_reusable():
     case = make_attention_case(rows=16, num_reqs=3, block_size=16, width=20, seed=8)
     ws = PlanWorkspace.for_plan(case.block_table, block_size=16, num_groups=2)
     first = plan_groups(**case.plan_inputs(), workspace=ws)
-    assert first.counts.min() > 0 and int(ws.bits.count_nonzero()) == 0, "scratch must be left zero"
+    assert first.counts.min() > 0 and int(ws.state.count_nonzero()) == 0, "scratch must be left zero"
     second = plan_groups(**case.plan_inputs(), workspace=ws)
     assert compare_plans(first, second) == []
-    small = PlanWorkspace.allocate(microblocks=ws.microblocks - 8, programs=1, device="cpu")
+    torn = PlanWorkspace(bits=ws.bits[:, :-1])  # not a layout of scratch_words
     with pytest.raises(ValueError, match="workspace"):
-        plan_groups(**case.plan_inputs(), workspace=small)
+        plan_groups(**case.plan_inputs(), workspace=torn)
+    long = make_attention_case(rows=8, num_reqs=2, block_size=16, width=20, max_seq_len=20000, seed=9)
+    small = PlanWorkspace.allocate(microblocks=1, programs=1, device="cpu")
+    assert long.block_table.shape[1] * 4 > small.microblocks
+    with pytest.raises(ValueError, match="workspace"):
+        plan_groups(**long.plan_inputs(), workspace=small)
 
 
-@pytest.mark.parametrize("layout", ["nibbles", "rows"])
+@pytest.mark.parametrize("layout,summary,late", [("nibbles", True, False), ("nibbles", False, False),
+                                                 ("nibbles", True, True), ("nibbles", False, True), ("rows", False, False)])
 @pytest.mark.parametrize("quads,scan", [(1, 16), (2, 32), (64, 2048)])
-def test_planner_settings_give_one_plan(quads, scan, layout):
-    """Steps of any size (one quad, a scan shorter than the table) and either scratch layout give the
-    same plan."""
+def test_planner_settings_give_one_plan(quads, scan, layout, summary, late):
+    """Steps of any size (one quad, a scan shorter than the table), either scratch layout, the scan of
+    flagged sectors or of every word, and the table checked in either pass give the same plan."""
     from qsa.plan import PlannerConfig
 
     case = make_attention_case(rows=19, num_reqs=3, block_size=16, width=22, seed=12)
     ref = reference_grouped_plan(**case.plan_inputs())
-    cfg = PlannerConfig(quads=quads, scan=scan, num_warps=4, programs_per_sm=1, layout=layout)
+    cfg = PlannerConfig(quads=quads, scan=scan, num_warps=4, programs_per_sm=1, layout=layout, summary=summary,
+                        late_table=late)
     assert compare_plans(plan_groups(**case.plan_inputs(), config=cfg), ref) == []
 
 
-@pytest.mark.parametrize("quads,scan", [(1, 16), (2, 32), (32, 1024)])
-def test_planner_whole_quads_over_long_contexts(quads, scan):
+@pytest.mark.parametrize("quads,scan,summary,late", [(1, 16, True, False), (2, 32, True, True), (32, 1024, True, False),
+                                                     (32, 1024, False, False), (32, 1024, True, True)])
+def test_planner_whole_quads_over_long_contexts(quads, scan, summary, late):
     """Contexts of thousands of tokens, odd rows as select_tokens writes them (whole microblocks, each in
     one index quad: the one-lookup path of the bitmap pass), even rows scattered tokens (the per-token
     path), invalid table entries included; many scan steps at the small settings. Scratch left zero."""
@@ -211,11 +219,11 @@ def test_planner_whole_quads_over_long_contexts(quads, scan):
         case.indices[r] = row
     ref = reference_grouped_plan(**case.plan_inputs())
     assert int(ref.counts.sum()) > 100 and case.block_table.shape[1] * 4 > 1024
-    cfg = PlannerConfig(quads=quads, scan=scan, num_warps=4, programs_per_sm=1)
+    cfg = PlannerConfig(quads=quads, scan=scan, num_warps=4, programs_per_sm=1, summary=summary, late_table=late)
     ws = PlanWorkspace.for_plan(case.block_table, block_size=16, num_groups=3, config=cfg)
     for _ in range(2):
         assert compare_plans(plan_groups(**case.plan_inputs(), config=cfg, workspace=ws), ref) == []
-        assert int(ws.bits.count_nonzero()) == 0
+        assert int(ws.state.count_nonzero()) == 0
 
 
 # Known-wrong planners: the checks above must reject each of them.

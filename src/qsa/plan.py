@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .utils import INT32_MAX, check_tensor, launch_options, next_pow2, round_up
+from .utils import INT32_MAX, check_tensor, interpreter_enabled, launch_options, next_pow2, round_up
 
 PAD = 16
 """Plans pad their lists to a multiple of this many entries (a multiple of every kernel tile)."""
@@ -125,24 +125,33 @@ class PlannerConfig:
         programs_per_sm: persistent programs per SM (each owns one scratch bitmap).
         layout: "nibbles" (one int32 per logical microblock, row q's bits at 4q) or "rows" (one
             bitmap per group row, 8 microblocks per int32: the rows' atomics never share a word).
+        summary: "nibbles" only: the bitmap pass also marks each 8-word sector it sets a bit in, and
+            the scan reads the marked sectors only (else every word of the touched range).
+        late_table: "nibbles" only: the bitmap pass sets the bits of every token the table-free checks
+            keep, and the scan drops microblocks whose block-table entry is invalid (else the bitmap
+            pass looks each one up).
     """
 
     quads: int = 32
-    scan: int = 1024
+    scan: int = 2048
     num_warps: int = 4
-    programs_per_sm: int = 8
+    programs_per_sm: int = 5
     layout: str = "nibbles"
+    summary: bool = True
+    late_table: bool = True
 
 
 PLANNER = PlannerConfig()
-"""The grouped planner's settings for many groups (a prefill chunk): small steps, many programs per SM.
-On the H200, 8192 rows x 2051 indices at 64K: 0.142 ms, against 0.142-0.236 ms for the other settings
-swept (``benchmarks/results/experiments/2026-11-30-0232-grouped-planner-nvidia-h200.json``)."""
+"""The grouped planner's settings for many groups (a prefill chunk): small steps, several programs per SM,
+the scan over flagged sectors only, the block table checked in the scan. On the H200, 8192 rows x 2051
+indices at 64K: 0.099 ms at overlap 0.98, 0.114 ms at 0.8 (0.142 and 0.146 ms for the v9 planner, which
+looked the table up in the bitmap pass and scanned every word); 128K, overlap 0.8: 0.147 ms (0.219 ms)
+(``benchmarks/results/experiments/2026-11-30-0508-grouped-planner-sectors-nvidia-h200.json``)."""
 
-PLANNER_FEW = PlannerConfig(quads=64, scan=4096, num_warps=8, programs_per_sm=4)
+PLANNER_FEW = PlannerConfig(quads=64, scan=4096, num_warps=8, programs_per_sm=4, summary=False, late_table=False)
 """The grouped planner's settings for fewer groups than SMs (MTP, small batches), where one group's
-latency is the time: wide steps. One group of 8 rows x 2051 indices at 64K: 0.025 ms (0.041 ms with
-``PLANNER``)."""
+latency is the time: wide steps, every word of the touched range scanned. One group of 8 rows x 2051
+indices at 64K: 0.022 ms (0.023 ms with flagged sectors, 0.025 ms for the v9 planner)."""
 
 
 def planner_config(num_groups: int, device) -> PlannerConfig:
@@ -153,8 +162,20 @@ def planner_config(num_groups: int, device) -> PlannerConfig:
     few = facts["kind"] == "cuda" and num_groups < facts["sm_count"]
     return PLANNER_FEW if few else PLANNER
 
+PTX_SCAN = True
+"""On a GPU, the grouped planner's scans load and store scattered entries with inline PTX in their own
+layout (``_store_i32`` in ``kernels/plan.py``)."""
+
 PLANNER_SCRATCH_BYTES = 256 << 20
 """The grouped planner's scratch stays under this size (fewer programs for very long contexts)."""
+
+
+def scratch_words(microblocks: int) -> tuple[int, int]:
+    """(bitmap words, scratch words) of one grouped-planner program for ``microblocks`` logical
+    microblocks: the bitmap (one int32 per microblock, a multiple of 512, so that every part starts on
+    16 bytes), one flag byte per 8-word sector of it, and the list of flagged sectors."""
+    words = round_up(max(microblocks, 1), 512)
+    return words, words + words // 32 + words // 8
 
 
 @dataclass
@@ -162,11 +183,13 @@ class PlanWorkspace:
     """Scratch of the grouped planner: one bitmap per program over a request's logical microblocks.
 
     Program ``p`` keeps 4 bits per group row and logical microblock in ``bits[p]`` while it plans a
-    group (``PlannerConfig.layout`` says where); the kernel zeroes every word it touched before it moves
-    on, so one workspace serves any number of calls (and CUDA-graph replays) on one stream.
+    group (``PlannerConfig.layout`` says where), with a flag byte per 8-word sector it set a bit in and
+    the list of those sectors after it (:func:`scratch_words`); the kernel zeroes every word and flag
+    it touched before it moves on, so one workspace serves any number of calls (and CUDA-graph
+    replays) on one stream.
 
     Attributes:
-        bits: ``[programs, round_up(microblocks, 8)]`` int32, zero between calls.
+        bits: ``[programs, scratch_words(microblocks)[1]]`` int32; ``state`` is zero between calls.
     """
 
     bits: torch.Tensor
@@ -176,7 +199,7 @@ class PlanWorkspace:
         """Scratch for ``programs`` programs and tables of ``microblocks = max_blocks * block_size // 4``."""
         if microblocks < 0 or programs < 1:
             raise ValueError(f"need microblocks >= 0 and programs >= 1, got {microblocks}, {programs}")
-        return cls(bits=torch.zeros((programs, max(8, round_up(microblocks, 8))), dtype=torch.int32, device=device))
+        return cls(bits=torch.zeros((programs, scratch_words(microblocks)[1]), dtype=torch.int32, device=device))
 
     @classmethod
     def for_plan(cls, block_table: torch.Tensor, *, block_size: int, num_groups: int,
@@ -195,19 +218,26 @@ class PlanWorkspace:
 
     @property
     def microblocks(self) -> int:
-        return self.bits.shape[1]
+        """Logical microblocks the bitmap covers."""
+        return self.bits.shape[1] * 32 // 37
+
+    @property
+    def state(self) -> torch.Tensor:
+        """The bitmaps and sector flags: zero between calls (the sector list is written before it is read)."""
+        words = self.microblocks
+        return self.bits[:, :words + words // 32]
 
 
 def planner_programs(num_groups: int, device, *, microblocks: int = 0, config: PlannerConfig = PLANNER) -> int:
     """Persistent grid of the grouped planner: a few programs per SM, never more than groups, and
-    no more than keep the scratch (4 bytes per logical microblock per program) under
+    no more than keep the scratch (:func:`scratch_words`, 4.6 bytes per logical microblock per program) under
     :data:`PLANNER_SCRATCH_BYTES` (at least one per SM)."""
     from .utils import device_facts
 
     facts = device_facts(str(torch.device(device)))
     sms = facts["sm_count"] if facts["kind"] == "cuda" else 1
     per_device = config.programs_per_sm * sms if facts["kind"] == "cuda" else 2
-    by_memory = max(sms, PLANNER_SCRATCH_BYTES // max(1, 4 * microblocks))
+    by_memory = max(sms, PLANNER_SCRATCH_BYTES // (4 * scratch_words(microblocks)[1]))
     return max(1, min(num_groups, per_device, by_memory))
 
 
@@ -342,7 +372,8 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
     config = config or planner_config(num_groups, device)
     if workspace is None:
         workspace = PlanWorkspace.for_plan(block_table, block_size=block_size, num_groups=num_groups, config=config)
-    elif workspace.microblocks < microblocks or workspace.bits.device != device:
+    elif (workspace.microblocks < microblocks or workspace.bits.device != device
+          or scratch_words(workspace.microblocks)[1] != workspace.bits.shape[1]):
         raise ValueError(f"workspace must cover {microblocks} microblocks on {device}, got "
                          f"{workspace.microblocks} on {workspace.bits.device}")
     programs = min(workspace.programs, num_groups)
@@ -353,12 +384,15 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
         indices, block_table, token_to_req, positions, seq_lens,
         out.mb_ids, out.masks, out.counts, workspace.bits,
         width, num_rows, num_groups, programs, block_table.shape[0], block_table.shape[1], num_blocks,
-        workspace.bits.shape[1], indices.stride(0), block_table.stride(0), out.mb_ids.stride(0),
-        out.masks.stride(0),
+        workspace.microblocks, workspace.bits.stride(0), indices.stride(0), block_table.stride(0),
+        out.mb_ids.stride(0), out.masks.stride(0),
         GROUP_ROWS=group_rows, BLOCK_Q=next_pow2(group_rows), BLOCK_SIZE=block_size,
         QUADS=min(config.quads, max(1, next_pow2(-(-width // 4)))),
         SCAN=scan, LAYOUT=0 if config.layout == "nibbles" else 1,
-        PAD=PAD, SYNC_SCAN=scan < 256 * config.num_warps, num_warps=config.num_warps, **launch_options(device),
+        PAD=PAD, SYNC_SCAN=scan < 256 * config.num_warps, SUMMARY=config.summary and config.layout == "nibbles",
+        PTX=PTX_SCAN and device.type == "cuda" and not interpreter_enabled(),
+        LATE_TABLE=config.late_table and config.layout == "nibbles",
+        num_warps=config.num_warps, **launch_options(device),
     )
     return out
 

@@ -339,6 +339,42 @@ def _or(a, b):
     return a | b
 
 
+@triton.jit
+def _udiv(x, D: tl.constexpr):
+    """``x // D`` for ``x >= 0`` (unsigned: a shift for powers of two, no sign fix-up)."""
+    return (x.to(tl.uint32) // D).to(tl.int32)
+
+
+@triton.jit
+def _umod(x, D: tl.constexpr):
+    """``x % D`` for ``x >= 0``."""
+    return (x.to(tl.uint32) % D).to(tl.int32)
+
+
+@triton.jit
+def _store_i32(p, x, m, PTX: tl.constexpr):
+    """``tl.store(p, x, mask=m)`` of int32 ``x``. With ``PTX`` (GPU only) as an inline store in the
+    operands' own layout: Triton gives a scattered store a layout of its own and converts pointers,
+    values and masks to it through shared memory, with barriers, on every scan step."""
+    if PTX:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $3, 0; @p st.global.b32 [$1], $2; mov.b32 $0, 0; }",
+            "=r,l,r,r", [p, x, m.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(p, x, mask=m)
+
+
+@triton.jit
+def _load_i32(p, m, PTX: tl.constexpr):
+    """``tl.load(p, mask=m, other=0)`` of int32, in the operands' own layout with ``PTX`` (as ``_store_i32``)."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.b32 $0, [$1]; }",
+            "=r,l,r", [p, m.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return tl.load(p, mask=m, other=0)
+
+
 LAYOUT_NIBBLES = tl.constexpr(0)  # scratch word x: row q's bits of microblock x at 4q .. 4q + 3
 LAYOUT_ROWS = tl.constexpr(1)  # row q's own bitmap: word x // 8, microblock x at 4 * (x % 8) .. + 3
 
@@ -354,16 +390,32 @@ def _word_bits(b_x, b_nib, b_q, LAYOUT: tl.constexpr, XCAP):
 
 
 @triton.jit
-def _or_token(p_bits, p_bt, b_t, b_ok, b_q, num_blocks, LAYOUT: tl.constexpr, XCAP, BLOCK_SIZE: tl.constexpr):
-    """Set the bit of each token ``b_t`` where ``b_ok`` and its block-table entry is valid."""
-    b_phys = tl.load(p_bt + b_t // BLOCK_SIZE, mask=b_ok, other=-1)
-    b_word, b_bit = _word_bits(b_t >> 2, 1 << (b_t & 3), b_q, LAYOUT, XCAP)
-    tl.atomic_or(p_bits + b_word, b_bit, mask=b_ok & (b_phys >= 0) & (b_phys < num_blocks), sem="relaxed")
+def _or_word(p_bits, p_sec, b_x, b_nib, b_q, b_ok, LAYOUT: tl.constexpr, XCAP, SUMMARY: tl.constexpr):
+    """OR token bits ``b_nib`` of logical microblock ``b_x`` for group row ``b_q`` into the scratch where
+    ``b_ok``; with ``SUMMARY``, also mark the microblock's 8-word sector (a plain byte store: every
+    writer stores the same 1)."""
+    b_word, b_bit = _word_bits(b_x, b_nib, b_q, LAYOUT, XCAP)
+    tl.atomic_or(p_bits + b_word, b_bit, mask=b_ok, sem="relaxed")
+    if SUMMARY:
+        tl.store(p_sec + (b_x >> 3), tl.full(b_x.shape, 1, tl.int8), mask=b_ok)
 
 
 @triton.jit
-def _or_quads(p_bits, p_bt, t0, t1, t2, t3, k0, k1, k2, k3, b_q, num_blocks, LAYOUT: tl.constexpr, XCAP,
-              BLOCK_SIZE: tl.constexpr):
+def _or_token(p_bits, p_sec, p_bt, b_t, b_ok, b_q, num_blocks, LAYOUT: tl.constexpr, XCAP, BLOCK_SIZE: tl.constexpr,
+              SUMMARY: tl.constexpr, LATE_TABLE: tl.constexpr):
+    """Set the bit of each token ``b_t`` where ``b_ok`` and its block-table entry is valid (``LATE_TABLE``:
+    the scan checks the entry instead)."""
+    if LATE_TABLE:
+        b_ok_t = b_ok
+    else:
+        b_phys = tl.load(p_bt + _udiv(b_t, BLOCK_SIZE), mask=b_ok, other=-1)
+        b_ok_t = b_ok & (b_phys >= 0) & (b_phys < num_blocks)
+    _or_word(p_bits, p_sec, b_t >> 2, 1 << (b_t & 3), b_q, b_ok_t, LAYOUT, XCAP, SUMMARY)
+
+
+@triton.jit
+def _or_quads(p_bits, p_sec, p_bt, t0, t1, t2, t3, k0, k1, k2, k3, b_q, num_blocks, LAYOUT: tl.constexpr, XCAP,
+              BLOCK_SIZE: tl.constexpr, SUMMARY: tl.constexpr, LATE_TABLE: tl.constexpr):
     """Set the bits of the kept tokens of index quads ``(t0, t1, t2, t3)`` (``k*``: kept by the checks
     not involving the block table). A quad whose kept tokens share one microblock (as select_tokens
     emits them) takes one table lookup and one atomic; the tokens of any other quad take their own.
@@ -381,14 +433,17 @@ def _or_quads(p_bits, p_bt, t0, t1, t2, t3, k0, k1, k2, k3, b_q, num_blocks, LAY
     one = lo == hi
     nib = (tl.where(k0, 1 << (t0 & 3), 0) | tl.where(k1, 1 << (t1 & 3), 0)
            | tl.where(k2, 1 << (t2 & 3), 0) | tl.where(k3, 1 << (t3 & 3), 0))
-    b_phys = tl.load(p_bt + lo // PER_BLOCK, mask=one, other=-1)
-    q_word, q_bits = _word_bits(lo, nib, b_q, LAYOUT, XCAP)
-    tl.atomic_or(p_bits + q_word, q_bits, mask=one & (b_phys >= 0) & (b_phys < num_blocks), sem="relaxed")
+    if LATE_TABLE:
+        one_ok = one
+    else:
+        b_phys = tl.load(p_bt + _udiv(lo, PER_BLOCK), mask=one, other=-1)
+        one_ok = one & (b_phys >= 0) & (b_phys < num_blocks)
+    _or_word(p_bits, p_sec, lo, nib, b_q, one_ok, LAYOUT, XCAP, SUMMARY)
     split = ~one
-    _or_token(p_bits, p_bt, t0, k0 & split, b_q, num_blocks, LAYOUT, XCAP, BLOCK_SIZE)
-    _or_token(p_bits, p_bt, t1, k1 & split, b_q, num_blocks, LAYOUT, XCAP, BLOCK_SIZE)
-    _or_token(p_bits, p_bt, t2, k2 & split, b_q, num_blocks, LAYOUT, XCAP, BLOCK_SIZE)
-    _or_token(p_bits, p_bt, t3, k3 & split, b_q, num_blocks, LAYOUT, XCAP, BLOCK_SIZE)
+    _or_token(p_bits, p_sec, p_bt, t0, k0 & split, b_q, num_blocks, LAYOUT, XCAP, BLOCK_SIZE, SUMMARY, LATE_TABLE)
+    _or_token(p_bits, p_sec, p_bt, t1, k1 & split, b_q, num_blocks, LAYOUT, XCAP, BLOCK_SIZE, SUMMARY, LATE_TABLE)
+    _or_token(p_bits, p_sec, p_bt, t2, k2 & split, b_q, num_blocks, LAYOUT, XCAP, BLOCK_SIZE, SUMMARY, LATE_TABLE)
+    _or_token(p_bits, p_sec, p_bt, t3, k3 & split, b_q, num_blocks, LAYOUT, XCAP, BLOCK_SIZE, SUMMARY, LATE_TABLE)
     return lo, hi
 
 
@@ -402,7 +457,7 @@ def grouped_plan_kernel(
     g_ids_ptr,  # [groups, cap_g] int32 out: physical microblock ids
     g_masks_ptr,  # [groups, cap_g] int32 out: bit 4q + t % 4
     g_counts_ptr,  # [groups] int32 out
-    bits_ptr,  # [programs, XCAP] int32 scratch, all zero between groups (see LAYOUT)
+    bits_ptr,  # [programs, stride_bits] int32 scratch, all zero between groups (see LAYOUT, SUMMARY)
     W,
     num_rows,
     num_groups,
@@ -410,7 +465,8 @@ def grouped_plan_kernel(
     num_reqs,
     max_blocks,
     num_blocks,
-    XCAP,  # scratch words per program: logical microblocks of a request (max_blocks * BLOCK_SIZE // 4), x8
+    XCAP,  # bitmap words per program: logical microblocks of a request (max_blocks * BLOCK_SIZE // 4), x512
+    stride_bits,  # scratch words per program: XCAP, then (SUMMARY) XCAP // 32 sector flags and XCAP // 8 list
     stride_idx_row,
     stride_bt_req,
     stride_g_ids,
@@ -423,6 +479,11 @@ def grouped_plan_kernel(
     LAYOUT: tl.constexpr,
     PAD: tl.constexpr,
     SYNC_SCAN: tl.constexpr = False,  # barrier between a scan step's loads and its zeroing stores (see below)
+    SUMMARY: tl.constexpr = False,  # scan only the 8-word sectors the bitmap pass marked (LAYOUT_NIBBLES)
+    SUM_STEP: tl.constexpr = 512,  # sector-flag words (4 sectors each) per step of the summary pass
+    PTX: tl.constexpr = False,  # the scans' scattered loads and stores as inline PTX (GPU only: _store_i32)
+    LATE_TABLE: tl.constexpr = False,  # LAYOUT_NIBBLES: the bitmap pass sets bits of logically kept tokens;
+    # the scan drops microblocks whose block-table entry is invalid (one entry serves a whole microblock)
     PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """Union of each group's rows by (request, logical microblock), emitted in ascending logical order.
@@ -445,7 +506,10 @@ def grouped_plan_kernel(
     """
     enter_launch(PDL)
     pid = tl.program_id(0)
-    p_bits = bits_ptr + pid.to(tl.int64) * XCAP
+    p_bits = bits_ptr + pid.to(tl.int64) * stride_bits
+    p_flags = p_bits + XCAP  # SUMMARY: one byte per 8-word sector of the bitmap, 1 where the pass set a bit
+    p_sec = p_flags.to(tl.pointer_type(tl.int8))
+    p_list = p_flags + XCAP // 32  # SUMMARY: the marked sectors, ascending
     o_q = tl.arange(0, BLOCK_Q)
     o_a = tl.arange(0, QUADS)
     PER_BLOCK: tl.constexpr = BLOCK_SIZE // 4
@@ -474,9 +538,11 @@ def grouped_plan_kernel(
 
             # Phase 1: set the bits of every kept token of the request's rows (next step's indices in flight).
             o_c = 4 * o_a[None, :]  # [1, QUADS]: first column of each quad
-            m_r = b_mine[:, None]
+            # A row keeps (table aside) the tokens 0 <= t <= its last: one unsigned compare per token.
+            b_last = tl.minimum(tl.minimum(b_pos, seq_len.to(tl.int64) - 1), max_blocks.to(tl.int64) * BLOCK_SIZE - 1)
+            m_r = (b_mine & (b_last >= 0))[:, None]
             p_r = p_idx + o_c
-            b_pos_r = tl.minimum(b_pos, INT32_MAX).to(tl.int32)[:, None]  # tokens are int32
+            u_last = tl.maximum(b_last, 0).to(tl.int32).to(tl.uint32)[:, None]
             n0 = tl.load(p_r, mask=m_r & (o_c < W), other=-1)
             n1 = tl.load(p_r + 1, mask=m_r & (o_c + 1 < W), other=-1)
             n2 = tl.load(p_r + 2, mask=m_r & (o_c + 2 < W), other=-1)
@@ -491,12 +557,11 @@ def grouped_plan_kernel(
                 n2 = tl.load(p_r + c + STEP + 2, mask=m_r & (o_n + 2 < W), other=-1)
                 n3 = tl.load(p_r + c + STEP + 3, mask=m_r & (o_n + 3 < W), other=-1)
                 lo, hi = _or_quads(
-                    p_bits, p_bt, t0, t1, t2, t3,
-                    _logically_kept(t0, b_pos_r, seq_len, max_blocks, BLOCK_SIZE),
-                    _logically_kept(t1, b_pos_r, seq_len, max_blocks, BLOCK_SIZE),
-                    _logically_kept(t2, b_pos_r, seq_len, max_blocks, BLOCK_SIZE),
-                    _logically_kept(t3, b_pos_r, seq_len, max_blocks, BLOCK_SIZE),
-                    o_q[:, None], num_blocks, LAYOUT, XCAP, BLOCK_SIZE)
+                    p_bits, p_sec, p_bt, t0, t1, t2, t3,
+                    t0.to(tl.uint32) <= u_last, t1.to(tl.uint32) <= u_last,
+                    t2.to(tl.uint32) <= u_last, t3.to(tl.uint32) <= u_last,
+                    o_q[:, None], num_blocks, LAYOUT, XCAP, BLOCK_SIZE, SUMMARY and LAYOUT == LAYOUT_NIBBLES,
+                    LATE_TABLE and LAYOUT == LAYOUT_NIBBLES)
                 b_lo = tl.minimum(b_lo, lo)
                 b_hi = tl.maximum(b_hi, hi)
             # The scanned range, widened to whole 8-word sectors (the scratch is zero past the touched words).
@@ -506,7 +571,47 @@ def grouped_plan_kernel(
             tl.debug_barrier()
 
             # Phase 2: emit the nonzero microblocks in ascending logical order; leave the scratch zero.
-            if LAYOUT == LAYOUT_NIBBLES:
+            if SUMMARY and LAYOUT == LAYOUT_NIBBLES:
+                # (a) The marked sectors of the touched range, ascending, into the list; flags back to 0.
+                o_f = tl.arange(0, SUM_STEP)
+                o_b = tl.arange(0, 4)
+                n_sec = 0
+                w_lo = x_lo // 32
+                w_end = tl.cdiv(x_end, 32)
+                for w0 in range(w_lo, w_end, SUM_STEP):
+                    o_w = w0 + o_f
+                    b_f = tl.load(p_flags + o_w, mask=o_w < w_end, other=0, cache_modifier=".cg")
+                    m_sec = ((b_f[:, None] >> (8 * o_b[None, :])) & 0xFF) != 0  # [SUM_STEP, 4]
+                    b_c = tl.sum(m_sec.to(tl.int32), 1)
+                    b_at = (n_sec + tl.cumsum(b_c, 0) - b_c)[:, None] + tl.cumsum(m_sec.to(tl.int32), 1) - 1
+                    tl.store(p_list + b_at, o_w[:, None] * 4 + o_b[None, :], mask=m_sec)
+                    tl.debug_barrier()  # every thread has read its words before any is zeroed
+                    tl.store(p_flags + o_w, tl.zeros([SUM_STEP], tl.int32), mask=b_f != 0)
+                    n_sec += tl.sum(b_c, 0)
+                tl.debug_barrier()  # the list is written before it is read
+                # (b) Each listed sector's 8 words, SCAN // 8 sectors per step, as in the dense scan below.
+                o_r = tl.arange(0, SCAN_W)
+                o_j = tl.arange(0, 8)
+                for k in range(0, tl.cdiv(n_sec, SCAN_W)):
+                    o_l = k * SCAN_W + o_r
+                    m_l = o_l < n_sec
+                    b_sec = tl.load(p_list + o_l, mask=m_l, other=0, cache_modifier=".cg")
+                    o_x = b_sec[:, None] * 8 + o_j[None, :]
+                    b_v = tl.load(p_bits + o_x, mask=m_l[:, None], other=0, cache_modifier=".cg")
+                    m_live = b_v != 0
+                    b_page = _load_i32(p_bt + _udiv(o_x, PER_BLOCK), m_live, PTX)
+                    m_emit = m_live
+                    if LATE_TABLE:
+                        m_emit = m_live & (b_page >= 0) & (b_page < num_blocks)
+                    b_n = tl.sum(m_emit.to(tl.int32), 1)
+                    b_slot = (count + tl.cumsum(b_n, 0) - b_n)[:, None] + tl.cumsum(m_emit.to(tl.int32), 1) - 1
+                    _store_i32(p_gids + b_slot, b_page * PER_BLOCK + _umod(o_x, PER_BLOCK), m_emit, PTX)
+                    _store_i32(p_gmasks + b_slot, b_v, m_emit, PTX)
+                    if SYNC_SCAN:
+                        tl.debug_barrier()
+                    _store_i32(p_bits + o_x, tl.zeros([SCAN_W, 8], tl.int32), m_live, PTX)
+                    count += tl.sum(b_n, 0)
+            elif LAYOUT == LAYOUT_NIBBLES:
                 # [SCAN // 8, 8]: whole 8-word sectors; a running count per sector, then within it.
                 o_r = tl.arange(0, SCAN_W)
                 o_j = tl.arange(0, 8)
@@ -516,14 +621,17 @@ def grouped_plan_kernel(
                     b_v = tl.load(p_bits + o_x, mask=(s8 + o_r * 8 < x_end)[:, None], other=0,
                                   cache_modifier=".cg")
                     m_live = b_v != 0
-                    b_n = tl.sum(m_live.to(tl.int32), 1)
-                    b_slot = (count + tl.cumsum(b_n, 0) - b_n)[:, None] + tl.cumsum(m_live.to(tl.int32), 1) - 1
-                    b_page = tl.load(p_bt + o_x // PER_BLOCK, mask=m_live, other=0)
-                    tl.store(p_gids + b_slot, b_page * PER_BLOCK + o_x % PER_BLOCK, mask=m_live)
-                    tl.store(p_gmasks + b_slot, b_v, mask=m_live)
+                    b_page = _load_i32(p_bt + _udiv(o_x, PER_BLOCK), m_live, PTX)
+                    m_emit = m_live
+                    if LATE_TABLE:
+                        m_emit = m_live & (b_page >= 0) & (b_page < num_blocks)
+                    b_n = tl.sum(m_emit.to(tl.int32), 1)
+                    b_slot = (count + tl.cumsum(b_n, 0) - b_n)[:, None] + tl.cumsum(m_emit.to(tl.int32), 1) - 1
+                    _store_i32(p_gids + b_slot, b_page * PER_BLOCK + _umod(o_x, PER_BLOCK), m_emit, PTX)
+                    _store_i32(p_gmasks + b_slot, b_v, m_emit, PTX)
                     if SYNC_SCAN:
                         tl.debug_barrier()
-                    tl.store(p_bits + o_x, tl.zeros([SCAN_W, 8], tl.int32), mask=m_live)
+                    _store_i32(p_bits + o_x, tl.zeros([SCAN_W, 8], tl.int32), m_live, PTX)
                     count += tl.sum(b_n, 0)
             else:
                 o_w = tl.arange(0, SCAN_W)
