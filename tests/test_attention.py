@@ -94,6 +94,10 @@ def test_scales_and_softmax_scale():
                                kv_cache_dtype="fp8_e4m3", seed=5)
     for route in ROUTES:
         check_route(case, route, softmax_scale=0.3, k_scale=0.7, v_scale=1.9)
+        # The kernels scale each row's max, not every score: a negative or zero scale reaches them
+        # as a positive one on negated or zeroed queries.
+        check_route(case, route, softmax_scale=-0.3, k_scale=0.7, v_scale=1.9)
+        check_route(case, route, softmax_scale=0.0)
 
 
 def test_auto_mixed_batch_is_grouped_plus_xqa():

@@ -39,8 +39,16 @@ def same_kv_strides(k, v) -> bool:
     return k.stride() == v.stride()
 
 
-def qk_scale_log2(softmax_scale: float, k_scale: float) -> float:
-    return float(softmax_scale) * float(k_scale) * math.log2(math.e)
+def scores_scale(q, softmax_scale: float, k_scale: float):
+    """``(q, scale)`` for the kernels: the score scale in the log2 domain (softmax scale x k_scale x
+    log2(e)), made positive. The kernels scale each row's max instead of every score, which takes a
+    positive scale; a negative one negates q instead (exact), a zero one zeroes it (every score 0)."""
+    scale = float(softmax_scale) * float(k_scale) * math.log2(math.e)
+    if scale < 0:
+        return -q, -scale
+    if scale == 0:
+        return torch.zeros_like(q), 1.0
+    return q, scale
 
 
 def grouped_attention(q, k, v, plan: GroupedPlan, *, out, lse, gate, softmax_scale, k_scale, v_scale,
@@ -55,6 +63,7 @@ def grouped_attention(q, k, v, plan: GroupedPlan, *, out, lse, gate, softmax_sca
     hkv = k.shape[2]
     G = hq // hkv
     cfg = config or routes.grouped_config(G, d, kv_fp8)
+    q, qk_scale = scores_scale(q, softmax_scale, k_scale)
     strides, g, lse_t = _common(q, k, v, out, gate, lse)
     subs = plan.group_rows // cfg.rows_per_prog
     programs = plan.num_groups * subs * hkv
@@ -63,7 +72,7 @@ def grouped_attention(q, k, v, plan: GroupedPlan, *, out, lse, gate, softmax_sca
     part_acc, part_ml = _partials(plan.num_rows, hq, splits, d, q.device) if splits > 1 else (out, out)
     grouped_attention_kernel[(plan.num_groups * subs, hkv, splits)](
         q, k, v, plan.mb_ids, plan.masks, plan.counts, g, out, lse_t, part_acc, part_ml,
-        plan.num_rows, hq, qk_scale_log2(softmax_scale, k_scale), float(v_scale),
+        plan.num_rows, hq, qk_scale, float(v_scale),
         stride_plan=plan.mb_ids.stride(0), **strides,
         G=G, GROUP_ROWS=plan.group_rows, ROWS_PER_PROG=cfg.rows_per_prog, BLOCK_M=cfg.block_m,
         MB=cfg.mb, NUM_SPLITS=splits, PREFETCH=cfg.prefetch, HEAD_DIM=d, BLOCK_SIZE=plan.block_size, KV_FP8=kv_fp8,
@@ -110,11 +119,12 @@ def xqa_attention(q, k, v, plan: SingleRowPlan, *, row_start: int, out, lse, gat
     cfg = config or routes.xqa_config(G, d)
     mb = cfg.tile_tokens // 4
     splits = num_splits or routes.split_count(n * hkv, -(-plan.capacity // mb), cfg.programs_per_sm, q.device)
+    q, qk_scale = scores_scale(q, softmax_scale, k_scale)
     strides, g, lse_t = _common(q, k, v, out, gate, lse)
     part_acc, part_ml = _partials(n, hq, splits, d, q.device) if splits > 1 else (out, out)
     xqa_attention_kernel[(n, hkv, splits)](
         q, k, v, plan.mb_ids, plan.masks, plan.counts, g, out, lse_t, part_acc, part_ml,
-        row_start, hq, qk_scale_log2(softmax_scale, k_scale), float(v_scale),
+        row_start, hq, qk_scale, float(v_scale),
         stride_ids=plan.mb_ids.stride(0), stride_masks=plan.masks.stride(0), **strides,
         G=G, BLOCK_G=max(16, next_pow2(G)), MB=mb, NUM_SPLITS=splits, PREFETCH=cfg.prefetch,
         HEAD_DIM=d, BLOCK_SIZE=plan.block_size, KV_FP8=kv_fp8, SAME_KV_STRIDES=same_kv_strides(k, v),
@@ -148,6 +158,7 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
     block_w = max(16, next_pow2(width))
     splits = num_splits or routes.direct_split_count(n * hkv, max(1, -(-width // cfg.tile_tokens)),
                                                      cfg.programs_per_sm, q.device)
+    q, qk_scale = scores_scale(q, softmax_scale, k_scale)
     strides, g, lse_t = _common(q, k, v, out, gate, lse)
     if scratch is None:
         scratch = torch.empty((rows, block_w), dtype=torch.int32, device=q.device)
@@ -158,7 +169,7 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
     xqa_direct_kernel[(n, hkv, splits)](
         q, k, v, indices, block_table, token_to_req, positions, seq_lens, scratch, g, out, lse_t,
         part_acc, part_ml, row_start, width, block_table.shape[0], block_table.shape[1], k.shape[0], hq,
-        qk_scale_log2(softmax_scale, k_scale), float(v_scale),
+        qk_scale, float(v_scale),
         stride_idx_row=indices.stride(0), stride_scratch_row=scratch.stride(0), stride_bt=block_table.stride(0),
         **strides,
         G=G, BLOCK_G=max(16, next_pow2(G)), BLOCK_N=cfg.tile_tokens, BLOCK_W=block_w, NUM_SPLITS=splits,
@@ -188,11 +199,12 @@ def splitk_attention(q, k, v, tokens, counts, block_table, token_to_req, *, bloc
     cfg = config or routes.splitk_config(G, d)
     splits = num_splits or routes.split_count(rows * hkv, -(-tokens.shape[1] // cfg.tile_tokens),
                                               cfg.programs_per_sm, q.device)
+    q, qk_scale = scores_scale(q, softmax_scale, k_scale)
     strides, g, lse_t = _common(q, k, v, out, gate, lse)
     part_acc, part_ml = _partials(rows, hq, splits, d, q.device) if splits > 1 else (out, out)
     splitk_attention_kernel[(rows, hkv, splits)](
         q, k, v, tokens, counts, block_table, token_to_req, g, out, lse_t, part_acc, part_ml,
-        hq, qk_scale_log2(softmax_scale, k_scale), float(v_scale),
+        hq, qk_scale, float(v_scale),
         stride_tok=tokens.stride(0), stride_bt=block_table.stride(0), **strides,
         G=G, BLOCK_G=max(16, next_pow2(G)), BLOCK_N=cfg.tile_tokens, NUM_SPLITS=splits,
         HEAD_DIM=d, BLOCK_SIZE=block_size, KV_FP8=kv_fp8, SAME_KV_STRIDES=same_kv_strides(k, v),

@@ -107,11 +107,15 @@ def attend_tile(
     b_m,  # [BLOCK_M] reference max (the shift of b_l and b_acc), log2 domain
     b_l,  # [BLOCK_M] running sum
     b_acc,  # [BLOCK_M, HEAD_DIM] fp32 running P @ V
-    qk_scale,  # softmax scale * k_scale * log2(e)
+    qk_scale,  # softmax scale * k_scale * log2(e), > 0 (the launchers see to it: attention.scores_scale)
     P_DTYPE: tl.constexpr,
     LAZY_RESCALE: tl.constexpr = False,
 ):
     """One online-softmax step over a K/V tile: scores, masking, rescale, P @ V (fp32 accumulate).
+
+    The scores stay unscaled: the row max is scaled (one multiply per row, exact for a positive scale)
+    and each probability is ``exp2(s * qk_scale - shift)``, one fused multiply-add, not a multiply per
+    score and a subtraction.
 
     With ``LAZY_RESCALE`` the reference max moves (and the [BLOCK_M, HEAD_DIM] accumulator is
     rescaled) only in tiles where some row's max exceeds it by more than ``RESCALE_SLACK``; otherwise
@@ -119,9 +123,9 @@ def attend_tile(
     result is the same softmax (out = acc / l, lse = m + log2(l) hold for any reference), rounded at
     other points, and as deterministic: the decision depends on the data in tile order only.
     """
-    b_s = tl.dot(b_q, tl.trans(b_k)) * qk_scale
+    b_s = tl.dot(b_q, tl.trans(b_k))
     b_s = tl.where(m_attend, b_s, float("-inf"))
-    b_max = tl.max(b_s, 1)
+    b_max = tl.max(b_s, 1) * qk_scale
     if LAZY_RESCALE:
         # Growth of each row's max past its reference: huge for a row's first scores (reference -inf,
         # floored to a finite value so that -inf - -inf never makes a NaN), -inf where nothing is new.
@@ -134,14 +138,14 @@ def attend_tile(
             b_acc = b_acc * b_alpha[:, None]
             b_m = b_m_new
         b_shift = tl.where(b_m == float("-inf"), 0.0, b_m)
-        b_p = tl.exp2(b_s - b_shift[:, None])
+        b_p = tl.exp2(b_s * qk_scale - b_shift[:, None])
         b_l = b_l + tl.sum(b_p, 1)
         b_acc = tl.dot(b_p.to(P_DTYPE), b_v, b_acc)
         return b_m, b_l, b_acc
     b_m_new = tl.maximum(b_m, b_max)
     # A row that has attended nothing yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
     b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-    b_p = tl.exp2(b_s - b_shift[:, None])
+    b_p = tl.exp2(b_s * qk_scale - b_shift[:, None])
     b_alpha = tl.exp2(b_m - b_shift)
     b_l = b_l * b_alpha + tl.sum(b_p, 1)
     b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(P_DTYPE), b_v)
