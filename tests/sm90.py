@@ -160,10 +160,13 @@ def check_merge_and_planner_kernels():
               "g_ids_ptr": "*i32", "g_masks_ptr": "*i32", "g_counts_ptr": "*i32", "bits_ptr": "*i32"}
     for cfg in (PLANNER, PLANNER_FEW):
         for layout, summary in ((0, cfg.summary), (0, not cfg.summary), (1, False)):
+            # XCAP (a multiple of 512) is specialised as divisible by 16 in real launches, like the strides.
             compile_sm90(grouped_plan_kernel, groups, dict(GROUP_ROWS=8, BLOCK_Q=8, BLOCK_SIZE=16, QUADS=cfg.quads,
                                                            SCAN=cfg.scan, LAYOUT=layout, PAD=16, SUMMARY=summary,
-                                                           PTX=True),
-                         num_warps=cfg.num_warps)
+                                                           PTX=True, LATE_TABLE=cfg.late_table and layout == 0),
+                         num_warps=cfg.num_warps,
+                         divisible={p.name for p in grouped_plan_kernel.params
+                                    if p.name == "XCAP" or p.name.startswith("stride_")})
 
 
 def main() -> int:
