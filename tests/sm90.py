@@ -17,7 +17,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 from qsa import routes
-from qsa.plan import PLANNER, PLANNER_FEW
+from qsa.plan import PLANNER, PLANNER_FEW, PLANNER_SHORT
 from qsa.kernels.common import merge_splits_kernel
 from qsa.kernels.grouped import grouped_attention_kernel
 from qsa.kernels.plan import grouped_plan_kernel, single_row_plan_kernel, single_row_sort_plan_kernel
@@ -158,7 +158,7 @@ def check_merge_and_planner_kernels():
                  dict(BLOCK_SIZE=16, BLOCK_W=4096, CH=512, PAD=16, EMIT_TOKENS=True), num_warps=16)
     groups = {"idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32",
               "g_ids_ptr": "*i32", "g_masks_ptr": "*i32", "g_counts_ptr": "*i32", "bits_ptr": "*i32"}
-    for cfg in (PLANNER, PLANNER_FEW):
+    for cfg in (PLANNER, PLANNER_FEW, PLANNER_SHORT):
         for layout, summary in ((0, cfg.summary), (0, not cfg.summary), (1, False)):
             # XCAP (a multiple of 512) is specialised as divisible by 16 in real launches, like the strides.
             compile_sm90(grouped_plan_kernel, groups, dict(GROUP_ROWS=8, BLOCK_Q=8, BLOCK_SIZE=16, QUADS=cfg.quads,

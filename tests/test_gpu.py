@@ -208,7 +208,7 @@ def test_cuda_graph_replay_matches_eager():
 
 
 @pytest.mark.parametrize("config,ptx", [(qsa.plan.PLANNER, True), (qsa.plan.PLANNER, False),
-                                        (qsa.plan.PLANNER_FEW, True), (qsa.plan.PlannerConfig(summary=False), True),
+                                        (qsa.plan.PLANNER_FEW, True), (qsa.plan.PLANNER_SHORT, True),
                                         (qsa.plan.PlannerConfig(layout="rows"), True)])
 def test_planners_match_reference_at_real_width(config, ptx, monkeypatch):
     """Rows of 2051 indices (shuffled, with duplicates and wild values) over 3 requests and an

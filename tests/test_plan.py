@@ -226,6 +226,17 @@ def test_planner_whole_quads_over_long_contexts(quads, scan, summary, late):
         assert int(ws.state.count_nonzero()) == 0
 
 
+def test_planner_config_by_shape():
+    """Many groups over a long table scan flagged sectors, over a short one every word; the choice
+    depends on shapes only (fixed for a CUDA graph)."""
+    from qsa.plan import PLANNER, PLANNER_SHORT, SHORT_MICROBLOCKS, planner_config
+
+    assert planner_config(1024, "cpu", SHORT_MICROBLOCKS) is PLANNER_SHORT
+    assert planner_config(1024, "cpu", SHORT_MICROBLOCKS + 1) is PLANNER
+    assert planner_config(1024, "cpu") is PLANNER
+    assert PLANNER.summary and not PLANNER_SHORT.summary and PLANNER_SHORT.late_table
+
+
 # Known-wrong planners: the checks above must reject each of them.
 
 def _wrong_physical_order(plan: GroupedPlan) -> GroupedPlan:

@@ -154,13 +154,28 @@ latency is the time: wide steps, every word of the touched range scanned. One gr
 indices at 64K: 0.022 ms (0.023 ms with flagged sectors, 0.025 ms for the v9 planner)."""
 
 
-def planner_config(num_groups: int, device) -> PlannerConfig:
-    """The shipped grouped-planner settings for ``num_groups`` groups on ``device``."""
+PLANNER_SHORT = PlannerConfig(scan=1024, summary=False)
+"""The grouped planner's settings for many groups over a table of at most ``SHORT_MICROBLOCKS`` logical
+microblocks (contexts up to 32K tokens), where the flags cost more than the words they spare: every word
+of the touched range scanned in steps of 1024, the table checked in the scan. On the H200, 8192 rows x
+2051 indices at 8K: 0.053 ms (0.068 ms with ``PLANNER``'s flags, 0.060 ms for the v9 planner); 16K
+0.069 ms (0.078); 32K 0.089 ms (0.094 at overlap 0.8, 0.089 at 0.98); 64K: 0.099 ms with ``PLANNER``
+(``benchmarks/results/experiments/2026-11-30-0441-grouped-planner-contexts-nvidia-h200.json``)."""
+
+SHORT_MICROBLOCKS = 8192
+"""Tables up to this many logical microblocks (``max_blocks * block_size // 4``) take ``PLANNER_SHORT``."""
+
+
+def planner_config(num_groups: int, device, microblocks: int | None = None) -> PlannerConfig:
+    """The shipped grouped-planner settings for ``num_groups`` groups on ``device``, over a block table of
+    ``microblocks`` logical microblocks (``max_blocks * block_size // 4``; None: a long one). The choice
+    depends on shapes only, so it is fixed for a CUDA graph."""
     from .utils import device_facts
 
     facts = device_facts(str(torch.device(device)))
-    few = facts["kind"] == "cuda" and num_groups < facts["sm_count"]
-    return PLANNER_FEW if few else PLANNER
+    if facts["kind"] == "cuda" and num_groups < facts["sm_count"]:
+        return PLANNER_FEW
+    return PLANNER_SHORT if microblocks is not None and microblocks <= SHORT_MICROBLOCKS else PLANNER
 
 PTX_SCAN = True
 """On a GPU, the grouped planner's scans load and store scattered entries with inline PTX in their own
@@ -206,8 +221,8 @@ class PlanWorkspace:
                  config: PlannerConfig | None = None) -> "PlanWorkspace":
         """The workspace :func:`plan_groups` allocates for this table and number of groups (``config``:
         default :func:`planner_config`)."""
-        config = config or planner_config(num_groups, block_table.device)
         microblocks = block_table.shape[1] * (block_size // 4)
+        config = config or planner_config(num_groups, block_table.device, microblocks)
         return cls.allocate(microblocks=microblocks, device=block_table.device,
                             programs=planner_programs(num_groups, block_table.device, microblocks=microblocks,
                                                       config=config))
@@ -369,7 +384,7 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
     out.block_size, out.num_blocks = block_size, num_blocks
     if num_groups == 0:
         return out
-    config = config or planner_config(num_groups, device)
+    config = config or planner_config(num_groups, device, microblocks)
     if workspace is None:
         workspace = PlanWorkspace.for_plan(block_table, block_size=block_size, num_groups=num_groups, config=config)
     elif (workspace.microblocks < microblocks or workspace.bits.device != device
