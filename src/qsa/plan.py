@@ -158,7 +158,7 @@ PLANNER_SHORT = PlannerConfig(scan=1024, summary=False)
 """The grouped planner's settings for many groups over a table of at most ``SHORT_MICROBLOCKS`` logical
 microblocks (contexts up to 32K tokens), where the flags cost more than the words they spare: every word
 of the touched range scanned in steps of 1024, the table checked in the scan. On the H200, 8192 rows x
-2051 indices at 8K: 0.053 ms (0.068 ms with ``PLANNER``'s flags, 0.060 ms for the v9 planner); 16K
+2051 indices at 8K: 0.053 ms (0.068 ms with ``PLANNER``'s flags; 0.064 ms for the v9 planner at 02:52); 16K
 0.069 ms (0.078); 32K 0.089 ms (0.094 at overlap 0.8, 0.089 at 0.98); 64K: 0.099 ms with ``PLANNER``
 (``benchmarks/results/experiments/2026-11-30-0441-grouped-planner-contexts-nvidia-h200.json``)."""
 
