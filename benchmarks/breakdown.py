@@ -34,8 +34,11 @@ def step_fn(scn, w, route: str):
     from qsa.plan import PlanWorkspace
 
     c = w.cache
+    # max_query_len as a serving engine's step metadata gives it (rows per request): `auto` sends a pure
+    # decode batch to xqa.
     plan_kw = dict(block_size=c.block_size, num_blocks=c.num_blocks, num_q_heads=scn.num_q_heads,
-                   num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route=route, rows_sorted=True)
+                   num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route=route, rows_sorted=True,
+                   max_query_len=scn.rows // scn.num_reqs)
     plan_in = (w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens)
     plan = plan_attention(*plan_in, **plan_kw)
     ws = None
