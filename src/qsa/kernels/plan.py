@@ -448,6 +448,27 @@ def _or_quads(p_bits, p_sec, p_bt, t0, t1, t2, t3, k0, k1, k2, k3, b_q, num_bloc
 
 
 @triton.jit
+def _emit_words(b_v, o_x, count, p_bits, p_bt, p_gids, p_gmasks, num_blocks, PER_BLOCK: tl.constexpr,
+                LATE_TABLE: tl.constexpr, SYNC_SCAN: tl.constexpr, PTX: tl.constexpr):
+    """One scan step over ``[sectors, 8]`` scratch words ``b_v`` of logical microblocks ``o_x``, ascending:
+    each nonzero word (with a valid table entry, under ``LATE_TABLE``) becomes a plan entry at the running
+    ``count`` (prefix sums per sector, then within it); every nonzero word is zeroed. Returns the count."""
+    m_live = b_v != 0
+    b_page = _load_i32(p_bt + _udiv(o_x, PER_BLOCK), m_live, PTX)
+    m_emit = m_live
+    if LATE_TABLE:
+        m_emit = m_live & (b_page >= 0) & (b_page < num_blocks)
+    b_n = tl.sum(m_emit.to(tl.int32), 1)
+    b_slot = (count + tl.cumsum(b_n, 0) - b_n)[:, None] + tl.cumsum(m_emit.to(tl.int32), 1) - 1
+    _store_i32(p_gids + b_slot, b_page * PER_BLOCK + _umod(o_x, PER_BLOCK), m_emit, PTX)
+    _store_i32(p_gmasks + b_slot, b_v, m_emit, PTX)
+    if SYNC_SCAN:
+        tl.debug_barrier()
+    _store_i32(p_bits + o_x, tl.zeros(b_v.shape, tl.int32), m_live, PTX)
+    return count + tl.sum(b_n, 0)
+
+
+@triton.jit
 def grouped_plan_kernel(
     idx_ptr,  # [rows, W] int32 token indices
     bt_ptr,  # [num_reqs, max_blocks] int32 block table
@@ -589,7 +610,7 @@ def grouped_plan_kernel(
                     tl.store(p_flags + o_w, tl.zeros([SUM_STEP], tl.int32), mask=b_f != 0)
                     n_sec += tl.sum(b_c, 0)
                 tl.debug_barrier()  # the list is written before it is read
-                # (b) Each listed sector's 8 words, SCAN // 8 sectors per step, as in the dense scan below.
+                # (b) Each listed sector's 8 words, SCAN // 8 sectors per step.
                 o_r = tl.arange(0, SCAN_W)
                 o_j = tl.arange(0, 8)
                 for k in range(0, tl.cdiv(n_sec, SCAN_W)):
@@ -598,19 +619,8 @@ def grouped_plan_kernel(
                     b_sec = tl.load(p_list + o_l, mask=m_l, other=0, cache_modifier=".cg")
                     o_x = b_sec[:, None] * 8 + o_j[None, :]
                     b_v = tl.load(p_bits + o_x, mask=m_l[:, None], other=0, cache_modifier=".cg")
-                    m_live = b_v != 0
-                    b_page = _load_i32(p_bt + _udiv(o_x, PER_BLOCK), m_live, PTX)
-                    m_emit = m_live
-                    if LATE_TABLE:
-                        m_emit = m_live & (b_page >= 0) & (b_page < num_blocks)
-                    b_n = tl.sum(m_emit.to(tl.int32), 1)
-                    b_slot = (count + tl.cumsum(b_n, 0) - b_n)[:, None] + tl.cumsum(m_emit.to(tl.int32), 1) - 1
-                    _store_i32(p_gids + b_slot, b_page * PER_BLOCK + _umod(o_x, PER_BLOCK), m_emit, PTX)
-                    _store_i32(p_gmasks + b_slot, b_v, m_emit, PTX)
-                    if SYNC_SCAN:
-                        tl.debug_barrier()
-                    _store_i32(p_bits + o_x, tl.zeros([SCAN_W, 8], tl.int32), m_live, PTX)
-                    count += tl.sum(b_n, 0)
+                    count = _emit_words(b_v, o_x, count, p_bits, p_bt, p_gids, p_gmasks, num_blocks, PER_BLOCK,
+                                        LATE_TABLE, SYNC_SCAN, PTX)
             elif LAYOUT == LAYOUT_NIBBLES:
                 # [SCAN // 8, 8]: whole 8-word sectors; a running count per sector, then within it.
                 o_r = tl.arange(0, SCAN_W)
@@ -620,19 +630,8 @@ def grouped_plan_kernel(
                     o_x = s8 + o_r[:, None] * 8 + o_j[None, :]
                     b_v = tl.load(p_bits + o_x, mask=(s8 + o_r * 8 < x_end)[:, None], other=0,
                                   cache_modifier=".cg")
-                    m_live = b_v != 0
-                    b_page = _load_i32(p_bt + _udiv(o_x, PER_BLOCK), m_live, PTX)
-                    m_emit = m_live
-                    if LATE_TABLE:
-                        m_emit = m_live & (b_page >= 0) & (b_page < num_blocks)
-                    b_n = tl.sum(m_emit.to(tl.int32), 1)
-                    b_slot = (count + tl.cumsum(b_n, 0) - b_n)[:, None] + tl.cumsum(m_emit.to(tl.int32), 1) - 1
-                    _store_i32(p_gids + b_slot, b_page * PER_BLOCK + _umod(o_x, PER_BLOCK), m_emit, PTX)
-                    _store_i32(p_gmasks + b_slot, b_v, m_emit, PTX)
-                    if SYNC_SCAN:
-                        tl.debug_barrier()
-                    _store_i32(p_bits + o_x, tl.zeros([SCAN_W, 8], tl.int32), m_live, PTX)
-                    count += tl.sum(b_n, 0)
+                    count = _emit_words(b_v, o_x, count, p_bits, p_bt, p_gids, p_gmasks, num_blocks, PER_BLOCK,
+                                        LATE_TABLE, SYNC_SCAN, PTX)
             else:
                 o_w = tl.arange(0, SCAN_W)
                 o_j = tl.arange(0, 8)
