@@ -233,7 +233,7 @@ class PlanWorkspace:
 
     @property
     def microblocks(self) -> int:
-        """Logical microblocks the bitmap covers."""
+        """Logical microblocks the bitmap covers (the inverse of :func:`scratch_words`: W + W/32 + W/8 words)."""
         return self.bits.shape[1] * 32 // 37
 
     @property

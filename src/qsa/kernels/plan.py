@@ -418,7 +418,8 @@ def _or_quads(p_bits, p_sec, p_bt, t0, t1, t2, t3, k0, k1, k2, k3, b_q, num_bloc
               BLOCK_SIZE: tl.constexpr, SUMMARY: tl.constexpr, LATE_TABLE: tl.constexpr):
     """Set the bits of the kept tokens of index quads ``(t0, t1, t2, t3)`` (``k*``: kept by the checks
     not involving the block table). A quad whose kept tokens share one microblock (as select_tokens
-    emits them) takes one table lookup and one atomic; the tokens of any other quad take their own.
+    emits them) takes one atomic (and one table lookup, unless ``LATE_TABLE`` leaves it to the scan); the
+    tokens of any other quad take their own.
     The four columns of a quad are separate tensors of one layout, so no step reduces across threads.
     Returns the lowest and highest logical microblock of each quad's kept tokens (XCAP, -1: none)."""
     PER_BLOCK: tl.constexpr = BLOCK_SIZE // 4
@@ -516,9 +517,10 @@ def grouped_plan_kernel(
     A scan over the touched microblocks, in ascending logical order, emits every nonzero one as an entry
     (its physical id from the block table, the row nibbles as the 32-bit mask) at a running count, and
     zeroes the scratch again. Index quads that fall in one microblock (as select_tokens emits them) take
-    a single block-table lookup and a single atomic (``_or_quads``). The bitmap pass reduces nothing
-    across threads inside its loop (the touched range is reduced once after it), and the scan reads
-    whole 8-word sectors.
+    a single atomic (``_or_quads``). The bitmap pass reduces nothing across threads inside its loop (the
+    touched range is reduced once after it), and the scan reads whole 8-word sectors: with ``SUMMARY``
+    only those the bitmap pass flagged, listed first. With ``LATE_TABLE`` the block table is checked by
+    the scan, once per microblock, instead of by the bitmap pass.
 
     A scan step of fewer words than 8 per thread lays some words out in threads of several warps, and
     its prefix sums may then stay inside one warp, with no barrier between the warps; ``SYNC_SCAN`` (set
