@@ -392,7 +392,8 @@ class Suite:
             plan_groups(*inputs, **geometry, group_rows=plan.grouped.group_rows, num_rows=plan.grouped.num_rows,
                         out=plan.grouped, workspace=ws)
             if plan.grouped.num_rows < w.indices.shape[0]:
-                plan_single_rows(*inputs, **geometry, out=plan.single, row_start=plan.grouped.num_rows)
+                plan_single_rows(*inputs, **geometry, out=plan.single, row_start=plan.grouped.num_rows,
+                                 rows_sorted=True)
 
         fn()
         self._sync()

@@ -142,6 +142,7 @@ def check_merge_and_planner_kernels():
     def compile_sm90(kernel, pointers, constexprs, **kw):  # as launched on sm_90: with PDL
         _, usage = compile_sm90_(kernel, pointers, {**constexprs, "PDL": True}, **kw)
         assert usage["pdl"], (kernel, usage)
+        assert usage["local"] == 0, (kernel, constexprs, usage)
 
     compile_sm90(merge_splits_kernel, {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*fp16",
                                        "gate_ptr": "*fp16", "lse_ptr": "*fp32"},
@@ -150,9 +151,10 @@ def check_merge_and_planner_kernels():
             "ids_ptr": "*i32", "masks_ptr": "*u8", "counts_ptr": "*i32", "unsorted_ptr": "*i32",
             "num_unsorted_ptr": "*i32", "keys_ptr": "*i32"}
     for chunk, warps, tokens, steps in ((512, 4, False, False), (4096, 16, False, False), (4096, 16, True, False),
-                                        (512, 4, False, True), (1024, 4, False, True)):
+                                        (512, 4, False, True), (1024, 8, False, True)):
         compile_sm90(single_row_plan_kernel, rows, dict(BLOCK_SIZE=16, CH=chunk, PAD=16, EMIT_TOKENS=tokens,
-                                                        ONE_CHUNK=chunk == 4096, ASCENDING_STEPS=steps),
+                                                        ONE_CHUNK=chunk == 4096, ASCENDING_STEPS=steps,
+                                                        SORT_W=4096 if steps else 0),
                      num_warps=warps)
     compile_sm90(single_row_sort_plan_kernel, rows,
                  dict(BLOCK_SIZE=16, BLOCK_W=4096, CH=512, PAD=16, EMIT_TOKENS=True), num_warps=16)

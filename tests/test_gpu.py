@@ -100,7 +100,7 @@ def _relocated(c, mapping, num_blocks_out=None):
 
 
 # xqa at 200 rows: one to two rows per SM on an H200, so the row planner takes its scan-free steps, and
-# the permuted rows leave them for the sorting planner
+# the permuted rows leave them for the sorting planner (or, with rows_sorted, are sorted in their programs)
 @pytest.mark.parametrize("route,rows", [("grouped", 2048), ("xqa", 2048), ("auto", 185), ("xqa", 200)])
 def test_bitwise_under_relocation_and_permutation(route, rows):
     c = qsa_case(rows=rows, context=65536, num_reqs=2, seed=2)
@@ -110,8 +110,9 @@ def test_bitwise_under_relocation_and_permutation(route, rows):
     g = torch.Generator().manual_seed(0)
     perm = torch.argsort(torch.rand(c["indices"].shape, generator=g), dim=1).cuda()
     shuffled = {**c, "indices": torch.gather(c["indices"], 1, perm)}
-    out = run(shuffled, route, gate=c["gate"], return_lse=True)
-    assert torch.equal(base[0], out[0]) and torch.equal(base[1], out[1]), "permuted indices"
+    for hint in (False, True):
+        out = run(shuffled, route, gate=c["gate"], return_lse=True, rows_sorted=hint)
+        assert torch.equal(base[0], out[0]) and torch.equal(base[1], out[1]), f"permuted indices, {hint=}"
     n = c["kv"].shape[0]
     for collision in (False, True):
         mapping = random_mapping(n, generator=g, collision_prone=collision, stride=64 if collision else None)

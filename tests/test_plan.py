@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import qsa.kernels.plan
 import qsa.plan
 from qsa.cache import random_mapping
 from qsa.plan import (PAD, GroupedPlan, PlanWorkspace, grouped_capacity, physical_order, plan_groups,
@@ -343,6 +344,11 @@ def test_runs_across_chunk_boundaries(shuffle, one_chunk, monkeypatch):
         assert counts[r].item() == len(kept) and tokens[r, :len(kept)].tolist() == kept
 
 
+class _Unlaunchable:
+    def __getitem__(self, grid):
+        pytest.fail("the sorting planner was launched")
+
+
 def test_row_planner_settings_give_one_plan(monkeypatch):
     """Any step width and warp count of the row planner (as ``benchmarks.tune`` sweeps them) gives the
     reference plan: one step, several steps with runs across step boundaries, rows sorted and not. A
@@ -354,16 +360,26 @@ def test_row_planner_settings_give_one_plan(monkeypatch):
     ref = reference_single_row_plan(**inputs)
     assert compare_plans(plan_single_rows(**inputs, num_warps=1), ref) == []
     monkeypatch.setattr(qsa.plan, "row_plan_chunk", lambda *a, **kw: pytest.fail("the given chunk was not used"))
+    sort_kernel = qsa.kernels.plan.single_row_sort_plan_kernel
     for chunk, warps in ((16, 4), (32, 2), (128, 8)):
         for steps in (False, True):
-            plan = plan_single_rows(**inputs, chunk=chunk, num_warps=warps, ascending_steps=steps)
-            assert compare_plans(plan, ref) == [], (chunk, warps, steps)
+            for hint in (False, True):
+                # rows_sorted on the scan-free steps: a row out of order is sorted by its own program,
+                # with no launch of the sorting planner
+                monkeypatch.setattr(qsa.kernels.plan, "single_row_sort_plan_kernel",
+                                    _Unlaunchable() if steps and hint else sort_kernel)
+                plan = plan_single_rows(**inputs, chunk=chunk, num_warps=warps, ascending_steps=steps,
+                                        rows_sorted=hint)
+                assert compare_plans(plan, ref) == [], (chunk, warps, steps, hint)
+    monkeypatch.setattr(qsa.kernels.plan, "single_row_sort_plan_kernel", sort_kernel)
     with pytest.raises(ValueError, match="chunk"):
         plan_single_rows(**inputs, chunk=24)
     with pytest.raises(ValueError, match="num_warps"):
         plan_single_rows(**inputs, num_warps=3)
     with pytest.raises(TypeError, match="ascending_steps"):
         plan_single_rows(**inputs, ascending_steps=1)
+    with pytest.raises(TypeError, match="rows_sorted"):
+        plan_single_rows(**inputs, rows_sorted=1)
 
 
 def test_row_planner_default_steps(monkeypatch):
@@ -413,9 +429,12 @@ def test_ascending_rows_in_one_step(emit_tokens):
     ref = reference_single_row_plan(**inputs)
     assert compare_plans(plan_single_rows(**inputs, chunk=64), ref) == []
     assert compare_plans(plan_single_rows(**inputs, chunk=16), ref) == []
-    # several steps on the neighbour-read path: runs straddle steps, and row 3 leaves it for the sorting
-    # planner in a later step, after the steps before were emitted
+    # several steps on the neighbour-read path: runs straddle steps, and row 3 leaves it in a later step,
+    # after the steps before were emitted (then the sorting planner, or with rows_sorted its own
+    # program, sorts it and emits it again)
     for chunk in (16, 32):
-        assert compare_plans(plan_single_rows(**inputs, chunk=chunk, ascending_steps=True), ref) == []
+        for hint in (False, True):
+            plan = plan_single_rows(**inputs, chunk=chunk, ascending_steps=True, rows_sorted=hint)
+            assert compare_plans(plan, ref) == [], (chunk, hint)
     shuffled = case.with_permuted_indices(torch.Generator().manual_seed(13)).plan_inputs()
     assert compare_plans(plan_single_rows(**shuffled, chunk=64), ref) == []

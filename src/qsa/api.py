@@ -74,8 +74,9 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
             decode batch, which ``auto`` sends to xqa; see :func:`qsa.routes.choose`).
         rows_sorted: the caller's rows are sorted as ``select_tokens`` emits them (kept tokens
             ascending, -1 last). Then up to ``routes.DIRECT_MAX_ROWS`` xqa rows are planned inside the
-            attention kernel, not by a launch of their own. Never changes the result; a row that is not
-            sorted after all costs an in-kernel sort.
+            attention kernel, not by a launch of their own, and planned xqa rows skip the sorting
+            planner's launch (:func:`qsa.plan.plan_single_rows`). Never changes the result; a row that
+            is not sorted after all costs an in-kernel sort.
     """
     if order not in ("logical", "physical"):
         raise ValueError(f"order must be 'logical' or 'physical', got {order!r}")
@@ -98,7 +99,8 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
         if choice.grouped_rows < indices.shape[0] and not choice.direct:
             single = plan_single_rows(indices, block_table, token_to_req, positions, seq_lens,
                                       block_size=block_size, num_blocks=num_blocks,
-                                      out=out.single if out is not None else None, row_start=choice.grouped_rows)
+                                      out=out.single if out is not None else None, row_start=choice.grouped_rows,
+                                      rows_sorted=rows_sorted)
     elif choice.route == "splitk":
         tokens, counts = token_lists(indices, block_table, token_to_req, positions, seq_lens,
                                      block_size=block_size, num_blocks=num_blocks)

@@ -166,6 +166,31 @@ def _ascending_step(p_idx, o_w, W, req, pos, seq_len, row_ok, bt_ptr, stride_bt_
 
 
 @triton.jit
+def _sort_and_emit(p_idx, p_keys, W, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req, max_blocks, num_blocks,
+                   p_ids, p_masks, counts_ptr, i_r, BLOCK_SIZE: tl.constexpr, BLOCK_W: tl.constexpr,
+                   CH: tl.constexpr, PAD: tl.constexpr, EMIT_TOKENS: tl.constexpr):
+    """Plan one row in any order: its kept tokens sorted into ``p_keys`` ([BLOCK_W] scratch), then
+    streamed CH at a time."""
+    o_w = tl.arange(0, BLOCK_W)
+    o_c = tl.arange(0, CH)
+    b_all, _ = _kept_keys(p_idx, o_w, W, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req, max_blocks, num_blocks,
+                          BLOCK_SIZE)
+    tl.store(p_keys + o_w, tl.sort(b_all))
+    tl.debug_barrier()
+    prev_key = -1
+    carry = 0
+    count = 0
+    for c in range(0, W, CH):
+        b_key = tl.load(p_keys + c + o_c, mask=c + o_c < BLOCK_W, other=INT32_MAX)
+        next_key = tl.load(p_keys + c + CH, mask=c + CH < BLOCK_W, other=INT32_MAX)
+        b_phys = tl.load(bt_ptr + req * stride_bt_req + b_key // BLOCK_SIZE, mask=b_key != INT32_MAX, other=0)
+        count, carry = _emit_sorted_chunk(b_key, b_phys, next_key, prev_key, carry, count, p_ids, p_masks,
+                                          BLOCK_SIZE, CH, EMIT_TOKENS)
+        prev_key = _last(b_key, CH)
+    _finish_row(count, p_ids, p_masks, counts_ptr, i_r, PAD, EMIT_TOKENS)
+
+
+@triton.jit
 def single_row_plan_kernel(
     idx_ptr,  # [rows, W] int32 token indices
     bt_ptr,  # [num_reqs, max_blocks] int32 block table
@@ -177,6 +202,7 @@ def single_row_plan_kernel(
     counts_ptr,  # [rows] int32 out
     unsorted_ptr,  # [rows] int32 out: rows left to single_row_sort_plan_kernel
     num_unsorted_ptr,  # [1] int32, zero on entry
+    keys_ptr,  # [rows - row_start, SORT_W] int32 scratch with SORT_W
     row_start,  # program i plans row row_start + i
     W,
     num_reqs,
@@ -192,6 +218,7 @@ def single_row_plan_kernel(
     EMIT_TOKENS: tl.constexpr,  # emit distinct kept logical tokens instead of microblocks
     ONE_CHUNK: tl.constexpr,  # CH >= W: sort a row found out of order here, in registers
     ASCENDING_STEPS: tl.constexpr = False,  # several steps, microblocks: the scan-free path of ascending rows
+    SORT_W: tl.constexpr = 0,  # with ASCENDING_STEPS: a row out of order is sorted here (power of two >= W)
     PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """One row whose kept tokens already ascend (as select_tokens emits them): one streaming pass.
@@ -243,6 +270,10 @@ def single_row_plan_kernel(
         if ordered:
             tl.store(counts_ptr + i_r, count)
             _pad_row(count, first_id, p_ids, p_masks, PAD)
+        elif SORT_W > 0:  # the entries the steps stored are rewritten after the sort's barrier
+            _sort_and_emit(p_idx, keys_ptr + (i_r - row_start) * SORT_W, W, req, pos, seq_len, row_ok, bt_ptr,
+                           stride_bt_req, max_blocks, num_blocks, p_ids, p_masks, counts_ptr, i_r, BLOCK_SIZE,
+                           SORT_W, CH, PAD, EMIT_TOKENS)
         else:
             tl.store(unsorted_ptr + tl.atomic_add(num_unsorted_ptr, 1), i_r.to(tl.int32))
     else:
@@ -306,30 +337,14 @@ def single_row_sort_plan_kernel(
     enter_launch(PDL)
     pid = tl.program_id(0)
     p_keys = keys_ptr + pid.to(tl.int64) * BLOCK_W
-    o_w = tl.arange(0, BLOCK_W)
-    o_c = tl.arange(0, CH)
     n = tl.load(num_unsorted_ptr)
     i = pid
     while i < n:
         i_r = tl.load(unsorted_ptr + i).to(tl.int64)
         req, pos, seq_len, row_ok = _row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs)
-        p_ids = ids_ptr + i_r * stride_ids_row
-        p_masks = masks_ptr + i_r * stride_masks_row
-        b_all, _ = _kept_keys(idx_ptr + i_r * stride_idx_row, o_w, W, req, pos, seq_len, row_ok, bt_ptr,
-                              stride_bt_req, max_blocks, num_blocks, BLOCK_SIZE)
-        tl.store(p_keys + o_w, tl.sort(b_all))
-        tl.debug_barrier()
-        prev_key = -1
-        carry = 0
-        count = 0
-        for c in range(0, W, CH):
-            b_key = tl.load(p_keys + c + o_c, mask=c + o_c < BLOCK_W, other=INT32_MAX)
-            next_key = tl.load(p_keys + c + CH, mask=c + CH < BLOCK_W, other=INT32_MAX)
-            b_phys = tl.load(bt_ptr + req * stride_bt_req + b_key // BLOCK_SIZE, mask=b_key != INT32_MAX, other=0)
-            count, carry = _emit_sorted_chunk(b_key, b_phys, next_key, prev_key, carry, count, p_ids, p_masks,
-                                              BLOCK_SIZE, CH, EMIT_TOKENS)
-            prev_key = _last(b_key, CH)
-        _finish_row(count, p_ids, p_masks, counts_ptr, i_r, PAD, EMIT_TOKENS)
+        _sort_and_emit(idx_ptr + i_r * stride_idx_row, p_keys, W, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req,
+                       max_blocks, num_blocks, ids_ptr + i_r * stride_ids_row, masks_ptr + i_r * stride_masks_row,
+                       counts_ptr, i_r, BLOCK_SIZE, BLOCK_W, CH, PAD, EMIT_TOKENS)
         tl.debug_barrier()
         i += num_programs
 
