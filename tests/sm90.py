@@ -98,12 +98,15 @@ FLAGS = dict(HEAD_DIM=256, BLOCK_SIZE=16, HAS_GATE=True, RETURN_LSE=True, PDL=Tr
 def check_grouped_kernel(act, cache, G):
     cfg = routes.grouped_config(G, 256, kv_fp8=cache == "u8")
     ptrs = {**_attention_pointers(act, cache), "ids_ptr": "*i32", "masks_ptr": "*i32", "counts_ptr": "*i32"}
-    _, usage = compile_sm90(
+    compiled, usage = compile_sm90(
         grouped_attention_kernel, ptrs,
         dict(G=G, GROUP_ROWS=8, ROWS_PER_PROG=cfg.rows_per_prog, BLOCK_M=cfg.block_m, MB=cfg.mb, NUM_SPLITS=1,
              PREFETCH=cfg.prefetch, LAZY_RESCALE=cfg.lazy_rescale, SAME_KV_STRIDES=True,
-             KV_FP8=cache == "u8", DOT_DTYPE=ACT[act], **FLAGS),
+             KV_FP8=cache == "u8", DOT_DTYPE=ACT[act], PTX=True, **FLAGS),
         floats=("qk_scale", "v_scale"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    # The lazy rescale's warp flag ORs the two rows each thread holds: one vote per tile, not one per
+    # pair of a thread's rows (which would leave rows out of a warp's decision).
+    assert compiled.asm["ptx"].count("vote.sync.any") == (1 if cfg.lazy_rescale else 0), usage
     assert usage["mma"] == "wgmma", usage
     assert not usage["wgmma_serialized"], usage
     assert usage["shared"] <= SMEM_LIMIT, usage

@@ -77,8 +77,9 @@ def test_split_lists_merge_in_order(route, monkeypatch):
 
 @pytest.mark.parametrize("lazy", [False, True])
 def test_grouped_lazy_rescale(lazy, monkeypatch):
-    """Scores spread over tens of log2 units, so the lazily rescaled accumulator's reference max moves
-    in some tiles and not in others: still exact, and bitwise stable under relocation."""
+    """Scores spread over tens of log2 units, so a lazily rescaled row's reference max moves in some
+    tiles and not in others, and differently for each row: still exact, and bitwise stable under
+    relocation. (The GPU's warp-skipped multiplies are checked in test_gpu.py.)"""
     case = make_attention_case(rows=16, num_reqs=2, num_q_heads=4, num_kv_heads=1, head_dim=16, width=64,
                                max_seq_len=200, messy=False, seed=7)
     case.q.mul_(8)
@@ -332,10 +333,12 @@ def test_dependent_launch_only_where_supported(monkeypatch):
 
 def test_grouped_config_defaults():
     """The shipped grouped settings (routes.grouped_config docstring): 64-row tiles on 4 warps with three
-    stages for 6/1 at D=256, the plan-entry prefetch with an FP8 cache; 128-row tiles for 12/1 and 24/2."""
+    stages for 6/1 at D=256, the plan-entry prefetch and the lazy rescale with an FP8 cache; 128-row
+    tiles for 12/1 and 24/2."""
     cfg = qsa.routes.grouped_config(6, 256)
     assert (cfg.block_m, cfg.num_warps, cfg.num_stages, cfg.prefetch, cfg.lazy_rescale) == (64, 4, 3, False, False)
-    assert qsa.routes.grouped_config(6, 256, kv_fp8=True).prefetch
+    fp8 = qsa.routes.grouped_config(6, 256, kv_fp8=True)
+    assert fp8.prefetch and fp8.lazy_rescale
     for G in (12, 24):
         wide = qsa.routes.grouped_config(G, 256)
         assert (wide.block_m, wide.num_warps, wide.num_stages, wide.prefetch, wide.lazy_rescale) == (128, 8, 3, True, True)

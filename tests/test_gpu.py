@@ -1,6 +1,7 @@
 """GPU tests at real sizes: every route against an fp32 reference, bitwise determinism under page
 relocation and index permutation, and plan + attention replayed from a CUDA graph."""
 
+import dataclasses
 import os
 import sys
 
@@ -92,6 +93,25 @@ def test_dtypes_at_real_size(dtype, kv):
     c = qsa_case(rows=1024, context=32768, dtype=dtype, kv_cache_dtype=kv, seed=1)
     for route in ("grouped", "xqa", "splitk"):
         check_against_reference(c, route)
+
+
+@pytest.mark.parametrize("num_q_heads,kv", [(6, "fp8_e4m3"), (12, "auto"), (6, "auto")])
+def test_lazy_rescale_with_moving_maxima(num_q_heads, kv, monkeypatch):
+    """Queries x 8 spread the scores over tens of log2 units, so each row's reference max moves in some
+    tiles and not in others, and warps differ in whether any of their rows moves. The lazily rescaled
+    grouped kernel (shipped for an FP8 cache and 12/1; forced for 6/1 fp16) against the fp32 reference,
+    and bitwise equal without the warp-skipped multiplies (they skip multiplies by 1 only)."""
+    c = qsa_case(rows=1024, context=16384, num_q_heads=num_q_heads, kv_cache_dtype=kv, seed=3)
+    c["q"] = c["q"] * 8
+    cfg = qsa.routes.grouped_config(num_q_heads, 256, kv == "fp8_e4m3")
+    monkeypatch.setattr(qsa.routes, "grouped_config",
+                        lambda G, D, kv_fp8=False: dataclasses.replace(cfg, lazy_rescale=True))
+    check_against_reference(c, "grouped")
+    base = run(c, "grouped", return_lse=True)
+    assert qsa.attention._rescale_ptx(c["q"], cfg)
+    monkeypatch.setattr(qsa.attention, "_rescale_ptx", lambda q, cfg: False)
+    out = run(c, "grouped", return_lse=True)
+    assert torch.equal(base[0], out[0]) and torch.equal(base[1], out[1])
 
 
 def _relocated(c, mapping, num_blocks_out=None):

@@ -8,7 +8,7 @@ import torch
 
 from . import routes
 from .plan import GroupedPlan, SingleRowPlan
-from .utils import dot_in_fp32, launch_options, next_pow2
+from .utils import dot_in_fp32, interpreter_enabled, launch_options, next_pow2
 
 def _dot_dtype(q: torch.Tensor):
     """Operand dtype of the kernels' dots: q's, or fp32 where the interpreter mishandles bf16."""
@@ -77,12 +77,18 @@ def grouped_attention(q, k, v, plan: GroupedPlan, *, out, lse, gate, softmax_sca
         G=G, GROUP_ROWS=plan.group_rows, ROWS_PER_PROG=cfg.rows_per_prog, BLOCK_M=cfg.block_m,
         MB=cfg.mb, NUM_SPLITS=splits, PREFETCH=cfg.prefetch, HEAD_DIM=d, BLOCK_SIZE=plan.block_size, KV_FP8=kv_fp8,
         SAME_KV_STRIDES=same_kv_strides(k, v), LAZY_RESCALE=cfg.lazy_rescale, DOT_DTYPE=_dot_dtype(q),
-        HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
+        HAS_GATE=gate is not None, RETURN_LSE=lse is not None, PTX=_rescale_ptx(q, cfg),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q.device),
     )
     if splits > 1:
         _merge(part_acc, part_ml, out=out, lse=lse, gate=gate, row_offset=0, v_scale=v_scale,
                num_splits=splits)
+
+
+def _rescale_ptx(q, cfg: routes.GroupedConfig) -> bool:
+    """Whether the grouped kernel skips identity rescales by warp (``attend_tile``): on a GPU, for
+    tiles of 16 rows per warp (one 64-row wgmma per 4 warps), where each thread holds two rows."""
+    return q.is_cuda and not interpreter_enabled() and cfg.block_m == 16 * cfg.num_warps
 
 
 def _merge(part_acc, part_ml, *, out, lse, gate, row_offset, v_scale, num_splits):

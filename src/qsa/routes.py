@@ -94,19 +94,27 @@ def grouped_config(G: int, head_dim: int, kv_fp8: bool = False) -> GroupedConfig
     cache loads a quarter of the bytes per tile into registers: there num_stages 3 alone was slower
     (1.312-1.322 vs 1.272 ms at o80) and with the plan-entry prefetch faster (1.245 ms)
     (benchmarks/results/experiments/2026-11-30-0246-grouped-stages-nvidia-h200.json). More heads (12/1,
-    24/2) take 128-row tiles on 8 warps with the plan-entry prefetch and the lazily rescaled accumulator,
-    which keeps 8 (12/1) or 4 (24/2) rows per program: 0.46 ms (12/1) and 0.86 ms (24/2) for 2048 rows
-    at 8K, overlap 0.8 (tune-2026-11-29-2027); 12/1 at 64K, overlap 0.8: 1.66-1.67 ms with 3 stages,
-    1.82 ms with 4, 2.16 ms with 2. The lazy rescale costs more than it saves on 64-row tiles.
+    24/2) take 128-row tiles on 8 warps with the plan-entry prefetch, which keeps 8 (12/1) or 4 (24/2)
+    rows per program: 0.46 ms (12/1) and 0.86 ms (24/2) for 2048 rows at 8K, overlap 0.8
+    (tune-2026-11-29-2027); 12/1 at 64K, overlap 0.8: 1.66-1.67 ms with 3 stages, 1.82 ms with 4,
+    2.16 ms with 2.
+
+    The lazy rescale (per row, multiplies skipped by warps whose rows keep their reference) pays where
+    the plan entries are prefetched: at prefill-64k-o80, plan + run, FP8 1.274-1.275 -> 1.162 ms, 12/1
+    1.703-1.715 -> 1.546-1.554 ms, 24/2 3.390-3.414 -> 3.072 ms (every tile rescaled). On 6/1 fp16
+    tiles without the prefetch it costs: o80 0.966-0.970 -> 0.982-0.985 ms, o98 0.504 -> 0.510 ms
+    (benchmarks/results/experiments/2026-11-30-0545-lazy-rescale-order-nvidia-h200.json, section E, and
+    2026-11-30-0525-row-rescale-sort-in-row-nvidia-h200.json).
     """
     wide = head_dim == 256 and GROUP_ROWS * G > 64  # 12/1, 24/2: 128-row tiles, 8 warps, prefetch
     tile_rows = 64 if head_dim == 256 and not wide else MAX_TILE_ROWS
     rows = GROUP_ROWS
     while rows > 1 and rows * G > tile_rows:
         rows //= 2
-    return GroupedConfig(rows_per_prog=rows, block_m=max(16, next_pow2(rows * G)), mb=8,
+    block_m = max(16, next_pow2(rows * G))
+    return GroupedConfig(rows_per_prog=rows, block_m=block_m, mb=8,
                          num_warps=8 if wide else 4, num_stages=3, prefetch=wide or kv_fp8,
-                         lazy_rescale=wide)
+                         lazy_rescale=wide or (kv_fp8 and block_m == 64))
 
 
 def xqa_config(G: int, head_dim: int) -> SplitConfig:

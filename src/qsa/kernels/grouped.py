@@ -49,10 +49,11 @@ def grouped_attention_kernel(
     BLOCK_SIZE: tl.constexpr,  # tokens per KV block
     KV_FP8: tl.constexpr,
     SAME_KV_STRIDES: tl.constexpr,  # K and V caches share their strides: one offset per token serves both
-    LAZY_RESCALE: tl.constexpr,  # move the reference max only when a row's max grows by > RESCALE_SLACK
+    LAZY_RESCALE: tl.constexpr,  # move a row's reference max only when its max grows by > RESCALE_SLACK
     DOT_DTYPE: tl.constexpr,  # operand dtype of both dots (fp32 under the interpreter for bf16)
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    PTX: tl.constexpr = False,  # GPU only: inline PTX where it helps (attend_tile)
     PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     enter_launch(PDL)
@@ -126,7 +127,7 @@ def grouped_attention_kernel(
         # Matrix rows past the program's rows are not stored; whatever they attend stays finite.
         m_attend = ((b_gm[None, :] >> o_shift) & 1) != 0
         b_m, b_l, b_acc = attend_tile(b_q, b_k, b_v, m_attend, b_m, b_l, b_acc, qk_scale, DOT_DTYPE,
-                                      LAZY_RESCALE)
+                                      LAZY_RESCALE, PTX)
 
     store_result(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, o_row, i_split, out_ptr, gate_ptr, lse_ptr,
                  part_acc_ptr, part_ml_ptr, v_scale, Hq, stride_o_row, stride_o_head, stride_g_row, stride_g_head,
