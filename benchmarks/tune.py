@@ -31,6 +31,7 @@ GROUPED = [  # rows_per_prog (at most), max tile rows, mb, num_warps, num_stages
     (8, 64, 8, 4, 3, 2, False, False), (8, 64, 8, 4, 2, 2, False, False), (8, 64, 8, 4, 2, 2, False, True),
     (8, 64, 8, 4, 2, 2, True, True), (8, 64, 4, 4, 2, 2, False, True), (8, 64, 4, 4, 3, 2, False, True),
     (8, 128, 8, 8, 3, 2, True, False), (8, 128, 8, 8, 3, 2, True, True), (8, 128, 8, 8, 2, 2, True, True),
+    (8, 64, 8, 4, 3, 2, True, False), (8, 64, 8, 4, 3, 2, True, True), (8, 64, 8, 4, 3, 2, False, True),
 ]
 PLANNER = [  # grouped planner: quads per row step, scan step, num_warps, programs_per_sm, layout, flagged
     # sectors only, table checked in the scan (qsa.plan.PlannerConfig)
@@ -65,6 +66,7 @@ def workloads(smoke: bool):
     return [
         Scenario(name="prefill-64k-o80", overlap=0.8),
         Scenario(name="prefill-64k-o98", overlap=0.98),
+        Scenario(name="prefill-64k-o80-fp8", overlap=0.8, kv_cache_dtype="fp8_e4m3"),
         Scenario(name="decode-64", rows=64, num_reqs=64, overlap=None),
         Scenario(name="decode-256", rows=256, num_reqs=256, overlap=None),
         Scenario(name="decode-1", rows=1, num_reqs=1, overlap=None),
