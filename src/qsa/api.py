@@ -74,9 +74,9 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
             decode batch, which ``auto`` sends to xqa; see :func:`qsa.routes.choose`).
         rows_sorted: the caller's rows are sorted as ``select_tokens`` emits them (kept tokens
             ascending, -1 last). Then up to ``routes.DIRECT_MAX_ROWS`` xqa rows are planned inside the
-            attention kernel, not by a launch of their own, and planned xqa rows skip the sorting
-            planner's launch (:func:`qsa.plan.plan_single_rows`). Never changes the result; a row that
-            is not sorted after all costs an in-kernel sort.
+            attention kernel, not by a launch of their own, and planned xqa rows read in several steps
+            skip the sorting planner's launch (:func:`qsa.plan.plan_single_rows`). Never changes the
+            result; a row that is not sorted after all costs an in-kernel sort.
     """
     if order not in ("logical", "physical"):
         raise ValueError(f"order must be 'logical' or 'physical', got {order!r}")

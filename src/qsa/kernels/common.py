@@ -98,7 +98,7 @@ def split_range(n_tiles, i_split, NUM_SPLITS: tl.constexpr):
     return start, tl.minimum(n_tiles, start + per)
 
 
-SCALE_PACK = 128  # accumulator elements per asm instance: all of a thread's at 64 x 256 per warpgroup
+_SCALE_PACK = 128  # accumulator elements per asm instance: all of a thread's at 64 x 256 per warpgroup
 
 
 def _scale_asm(pack: int) -> str:
@@ -110,9 +110,9 @@ def _scale_asm(pack: int) -> str:
     return "{ .reg .pred p; " + copy + f"setp.ne.s32 p, ${3 * pack}, 0; @!p bra.uni SKIP; " + mul + "SKIP: }"
 
 
-SCALE_ASM = tl.constexpr(_scale_asm(SCALE_PACK))
-SCALE_CONSTRAINTS = tl.constexpr(",".join(["=r"] * SCALE_PACK + ["r"] * (3 * SCALE_PACK)))
-SCALE_PACK = tl.constexpr(SCALE_PACK)
+SCALE_PACK = tl.constexpr(_SCALE_PACK)
+SCALE_ASM = tl.constexpr(_scale_asm(_SCALE_PACK))
+SCALE_CONSTRAINTS = tl.constexpr(",".join(["=r"] * _SCALE_PACK + ["r"] * (3 * _SCALE_PACK)))
 WARP_ANY_ASM = tl.constexpr("{ .reg .pred p; .reg .b32 t; or.b32 t, $2, $3; setp.ne.s32 p, t, 0; "
                             "vote.sync.any.pred p, p, -1; selp.s32 $0, 1, 0, p; mov.b32 $1, $0; }")
 
