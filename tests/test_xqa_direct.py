@@ -23,7 +23,7 @@ def ascending_rows(indices: torch.Tensor) -> torch.Tensor:
     return torch.where(key == big, -1, key).to(torch.int32)
 
 
-def run_direct(case, *, splits=1, scratch=None, indices=None, prefetch=False, **kw):
+def run_direct(case, *, splits=1, scratch=None, indices=None, prefetch=False, resolve_split=False, **kw):
     c = case.cache
     out = torch.full_like(case.q, float("nan"))
     lse = torch.full(case.q.shape[:2], float("nan"), dtype=torch.float32)
@@ -33,7 +33,8 @@ def run_direct(case, *, splits=1, scratch=None, indices=None, prefetch=False, **
         case.positions, case.seq_lens, row_start=0, out=out, lse=lse, gate=case.gate,
         softmax_scale=case.q.shape[2] ** -0.5, k_scale=c.k_scale, v_scale=c.v_scale,
         kv_fp8=c.kv_cache_dtype == "fp8_e4m3", num_splits=splits, scratch=scratch,
-        config=routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=prefetch), **kw)
+        config=routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=prefetch,
+                                  resolve_split=resolve_split), **kw)
     return out, lse
 
 
@@ -90,6 +91,23 @@ def test_direct_prefetch_rechecks_the_first_tile():
         got = run_direct(case, splits=splits, prefetch=True)
         check(case, got)
         _assert_bitwise(got, run_direct(case, splits=splits), f"prefetch vs none, {splits} splits")
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 4])
+def test_direct_split_entries_resolved_before_the_loop(splits):
+    """With ``resolve_split`` each program reads all of its split's tokens and pages before its loop (from
+    the row as given, again from the sorted list for rows out of order) and takes each tile's from
+    registers: exact on messy rows, sorted and shuffled in one batch, and bitwise the same as the
+    tile-by-tile loads."""
+    case = make_attention_case(rows=9, num_reqs=3, num_q_heads=4, num_kv_heads=1, head_dim=16, width=44,
+                               max_seq_len=140, padding_rows=1, seed=26)
+    idx = ascending_rows(case.indices)
+    for r in (1, 4, 8):
+        idx[r] = idx[r][torch.randperm(44, generator=torch.Generator().manual_seed(r))]
+    case.indices = idx
+    got = run_direct(case, splits=splits, resolve_split=True)
+    check(case, got)
+    _assert_bitwise(got, run_direct(case, splits=splits), f"resolved vs tile by tile, {splits} splits")
 
 
 def test_direct_is_bitwise_deterministic():
@@ -180,3 +198,37 @@ def test_direct_split_count_leaves_no_split_empty(monkeypatch):
             per = -(-tiles // s)
             want = max(1, min(routes.DIRECT_MAX_SPLITS, tiles, -(-264 // programs))) if programs < 264 else 1
             assert 1 <= s <= want and per == -(-tiles // want) and (s - 1) * per < tiles, (programs, tiles, s)
+
+
+def test_direct_resolves_splits_up_to_the_cap(monkeypatch):
+    """The default config resolves a split's entries before its loop only where the split holds at most
+    ``DIRECT_RESOLVE_MAX`` entries (a power of two); wider splits keep the tile-by-tile loads."""
+    import qsa.kernels.xqa as kx
+
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((grid[2], kw["SPLIT_N"], kw["PREFETCH"]))
+                return kx_kernel[grid](*args, **kw)
+            return launch
+
+    kx_kernel = kx.xqa_direct_kernel
+    monkeypatch.setattr(kx, "xqa_direct_kernel", Spy())
+    case = make_attention_case(rows=2, num_reqs=1, num_q_heads=2, num_kv_heads=1, head_dim=16, width=700,
+                               max_seq_len=900, padding_rows=0, seed=27)
+    case.indices = ascending_rows(case.indices)
+    c = case.cache
+    for splits in (1, 2, 3):
+        out = torch.full_like(case.q, float("nan"))
+        attention.xqa_direct_attention(case.q, c.k, c.v, case.indices, case.block_table, case.token_to_req,
+                                       case.positions, case.seq_lens, row_start=0, out=out, lse=None, gate=None,
+                                       softmax_scale=0.25, k_scale=1.0, v_scale=1.0, kv_fp8=False,
+                                       num_splits=splits, config=routes.xqa_direct_config(2, 16, 2))
+        check_out = case.run(reference_attention, compute_dtype=torch.float64)[0]
+        low = case.run(reference_attention, compute_dtype=case.q.dtype)[0]
+        assert_close_like_torch(out, check_out, low, name=f"{splits} splits")
+    # 700 entries = 22 tiles of 32: one split of 1024 (not resolved; the prefetch of <= 16 lists instead),
+    # two of 512 and three of 256 (resolved)
+    assert seen == [(1, 0, True), (2, 512, False), (3, 256, False)], seen

@@ -172,6 +172,8 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
             or scratch.stride(1) != 1:
         raise ValueError(f"scratch must be a [{rows}, >= {block_w}] int32 tensor, got {tuple(scratch.shape)}")
     part_acc, part_ml = _partials(n, hq, splits, d, q.device) if splits > 1 else (out, out)
+    split_n = next_pow2(-(-max(1, -(-width // cfg.tile_tokens)) // splits) * cfg.tile_tokens)
+    resolve = cfg.resolve_split and split_n <= routes.DIRECT_RESOLVE_MAX
     xqa_direct_kernel[(n, hkv, splits)](
         q, k, v, indices, block_table, token_to_req, positions, seq_lens, scratch, g, out, lse_t,
         part_acc, part_ml, row_start, width, block_table.shape[0], block_table.shape[1], k.shape[0], hq,
@@ -179,7 +181,8 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
         stride_idx_row=indices.stride(0), stride_scratch_row=scratch.stride(0), stride_bt=block_table.stride(0),
         **strides,
         G=G, BLOCK_G=max(16, next_pow2(G)), BLOCK_N=cfg.tile_tokens, BLOCK_W=block_w, NUM_SPLITS=splits,
-        PREFETCH=cfg.prefetch, HEAD_DIM=d, BLOCK_SIZE=k.shape[1], KV_FP8=kv_fp8,
+        PREFETCH=cfg.prefetch and not resolve, SPLIT_N=split_n if resolve else 0, HEAD_DIM=d,
+        BLOCK_SIZE=k.shape[1], KV_FP8=kv_fp8,
         SAME_KV_STRIDES=same_kv_strides(k, v), DOT_DTYPE=_dot_dtype(q),
         HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -40,6 +40,8 @@ DIRECT_MAX_ROWS = 64
 """Most xqa rows the direct kernel takes (at 256 decode rows the planned kernel measured faster)."""
 DIRECT_MAX_WIDTH = 4096
 """Widest ``indices`` row the direct kernel holds in registers."""
+DIRECT_RESOLVE_MAX = 512
+"""Most entries of a split (rounded up to a power of two) that the direct kernel resolves before its loop."""
 
 _logged: set[str] = set()
 
@@ -71,6 +73,8 @@ class SplitConfig:
     num_stages: int
     programs_per_sm: int = 3  # split each row's list until the launch has about this many programs
     prefetch: bool = False  # xqa: load each tile's plan entries one iteration ahead
+    resolve_split: bool = False  # direct xqa: a split's tokens and pages all read before its loop, where
+    # the split holds at most DIRECT_RESOLVE_MAX entries (else ``prefetch`` applies)
 
 
 @dataclass(frozen=True)
@@ -127,13 +131,21 @@ def xqa_config(G: int, head_dim: int) -> SplitConfig:
 def xqa_direct_config(G: int, head_dim: int, lists: int = 1) -> SplitConfig:
     """Settings of the direct kernel for ``lists`` = rows x KV heads.
 
-    32-token tiles, 3 stages, about two programs per SM. Up to 16 lists (many splits of a few tiles
-    each), each split's first tile is read while its row is checked and every next one a tile ahead:
-    on the H200, plan + run took 17.5 us for mtp-8 (18.0 without), 21.1 for mtp-16 (22.4) and 15.4 for
-    decode-1 (16.1). At 64 rows the prefetch costs more than it hides (decode-64: 73.4 vs 57.6 us);
-    benchmarks/results/experiments/2026-11-30-0017-direct-width-splits-nvidia-h200.json.
+    32-token tiles, 3 stages, about two programs per SM. Each split's tokens and pages are all read
+    while its row is checked, and each tile takes its own from registers, so the pipeline issues the
+    K/V loads two tiles ahead (sm_90 TTGIR: ``async_wait`` with 2 copies in flight; with tile-by-tile
+    list and table loads and no prefetch, as at 64 rows, it waited for every copy at the top of each
+    iteration). On the H200, plan + run (interleaved, us): mtp-8 17.5-18.0 -> 16.4-16.9,
+    mtp-16 20.7-21.0 -> 19.8-20.1, decode-1 14.7-14.9 -> 13.7-13.9, decode-16 26.9-27.0 -> 24.6-24.7,
+    decode-64 57.1-57.8 -> 55.8-56.4, decode-64 FP8 81.7-82.1 -> 57.7-57.9; but decode-64 24/2 (three
+    splits of 22 tiles, 1024 entries) 90.0 -> 101.2, hence ``DIRECT_RESOLVE_MAX``
+    (benchmarks/results/experiments/2026-11-30-0636-direct-resolved-splits-nvidia-h200.json). Without it, up
+    to 16 lists read each split's first tile while the row is checked and every next one a tile ahead
+    (mtp-8 17.5 vs 18.0 us, 2026-11-30-0017-direct-width-splits); at 64 rows that prefetch costs more
+    than it hides (decode-64: 73.4 vs 57.6 us).
     """
-    return SplitConfig(tile_tokens=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch=lists <= 16)
+    return SplitConfig(tile_tokens=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch=lists <= 16,
+                       resolve_split=True)
 
 
 def splitk_config(G: int, head_dim: int) -> SplitConfig:

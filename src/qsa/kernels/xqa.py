@@ -213,6 +213,7 @@ def xqa_direct_kernel(
     BLOCK_W: tl.constexpr,  # power of two >= W
     NUM_SPLITS: tl.constexpr,  # each row's tiles are cut into this many near-equal runs
     PREFETCH: tl.constexpr,  # load the next tile's tokens and pages one iteration ahead (the first: during the check)
+    SPLIT_N: tl.constexpr,  # 0, or a power of two >= the split's entries: all of them resolved before the loop
     HEAD_DIM: tl.constexpr,
     BLOCK_SIZE: tl.constexpr,
     KV_FP8: tl.constexpr,
@@ -225,7 +226,9 @@ def xqa_direct_kernel(
     """xqa without a planner launch: each program takes its split of the W positions of its row's
     list, which is the row of ``indices`` itself when it ascends and a sorted copy otherwise (see
     ``_direct_row_list``), and gathers K/V token by token through the block table, dropping tokens the
-    row does not keep and tokens whose table entry is not a block of the cache."""
+    row does not keep and tokens whose table entry is not a block of the cache. With ``SPLIT_N`` the
+    program reads all of its split's tokens and pages before its loop and each tile takes its own from
+    registers; otherwise each tile loads its own (``PREFETCH``: one tile ahead)."""
     enter_launch(PDL)
     i_local = tl.program_id(0).to(tl.int64)
     i_kvh = tl.program_id(1).to(tl.int64)
@@ -246,12 +249,24 @@ def xqa_direct_kernel(
     # Splits cut the W list positions, so they are known before the row is checked.
     o_n = tl.arange(0, BLOCK_N)
     tile_start, tile_end = split_range(tl.cdiv(W, BLOCK_N), i_split, NUM_SPLITS)
-    if PREFETCH:  # the first tile's entries, read from the row as given while the row is checked
+    if SPLIT_N > 0:
+        # Every entry of the split (tokens and pages), read from the row as given while the row is
+        # checked; the tiles then take theirs from registers, so no K/V load waits on a list or table
+        # load of its own tile and the pipeline can issue them num_stages - 1 tiles ahead.
+        o_s = tl.arange(0, SPLIT_N)
+        n_split = tl.minimum(W, tile_end * BLOCK_N)
+        b_ts, b_ps = _list_entries(p_idx, tile_start * BLOCK_N + o_s, n_split, p_bt, pos, seq_len, max_blocks,
+                                   BLOCK_SIZE)
+    elif PREFETCH:  # the first tile's entries, read from the row as given while the row is checked
         b_t_next, b_phys_next = _list_entries(p_idx, tile_start * BLOCK_N + o_n, W, p_bt, pos, seq_len,
                                               max_blocks, BLOCK_SIZE)
     p_list, n_list, ascending = _direct_row_list(p_idx, scratch_ptr + i_r * stride_scratch_row, pos, seq_len,
                                                  row_ok, W, max_blocks, BLOCK_SIZE, BLOCK_W)
-    if PREFETCH:
+    if SPLIT_N > 0:
+        if not ascending:
+            b_ts, b_ps = _list_entries(p_list, tile_start * BLOCK_N + o_s, tl.minimum(n_list, tile_end * BLOCK_N),
+                                       p_bt, pos, seq_len, max_blocks, BLOCK_SIZE)
+    elif PREFETCH:
         if not ascending:
             b_t_next, b_phys_next = _list_entries(p_list, tile_start * BLOCK_N + o_n, n_list, p_bt, pos,
                                                   seq_len, max_blocks, BLOCK_SIZE)
@@ -260,7 +275,14 @@ def xqa_direct_kernel(
     b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
     for i_t in range(tile_start, tile_end):
         o_e = i_t * BLOCK_N + o_n
-        if PREFETCH:
+        if SPLIT_N > 0:
+            # Clamped: the software pipeline also evaluates this for tiles past the split's end (whose
+            # loads it masks off), and the gather must not read past its source there (unclamped, mtp-8
+            # with 9 splits of 256 entries faulted on the H200; compute-sanitizer is clean with it).
+            o_l = tl.minimum((i_t - tile_start) * BLOCK_N, SPLIT_N - BLOCK_N) + o_n
+            b_t = tl.gather(b_ts, o_l, 0)
+            b_phys = tl.gather(b_ps, o_l, 0)
+        elif PREFETCH:
             b_t = b_t_next
             b_phys = b_phys_next
             b_t_next, b_phys_next = _list_entries(p_list, o_e + BLOCK_N, n_list, p_bt, pos, seq_len, max_blocks,
