@@ -55,6 +55,11 @@ SPLIT = [  # tile_tokens, num_warps, num_stages, programs_per_sm, prefetch (spli
     (32, 4, 3, 2, True), (32, 4, 4, 2, True), (64, 8, 3, 1, True), (32, 8, 4, 1, True), (16, 4, 4, 2, True),
     (32, 4, 3, 2, False),
 ]
+DIRECT_RESOLVED = [  # the direct kernel with each split's entries read before its loop (SplitConfig's sixth
+    # field, resolve_split; routes.DIRECT_RESOLVE_MAX still caps it): the shipped setting and its neighbours
+    (32, 4, 3, 2, False, True), (32, 4, 2, 2, False, True), (32, 4, 4, 2, False, True), (16, 4, 3, 2, False, True),
+    (64, 4, 3, 2, False, True), (32, 4, 3, 1, False, True),
+]
 
 
 def workloads(smoke: bool):
@@ -91,6 +96,7 @@ def main(argv=None) -> int:
     planner_settings = (PLANNER[0], PLANNER[-1]) if args.smoke else PLANNER
     row_planner_settings = (ROW_PLANNER[0], (16, 4, True)) if args.smoke else ROW_PLANNER
     direct_splits = (3,) if args.smoke else DIRECT_SPLITS
+    direct_resolved = (DIRECT_RESOLVED[0],) if args.smoke else DIRECT_RESOLVED
     if args.no_planner:
         planner_settings = ()
     timer = Timer(dev, TimingConfig(budget_s=0.15, min_reps=5, max_reps=50))
@@ -114,7 +120,7 @@ def main(argv=None) -> int:
         if args.only and not any(s in scn.name for s in args.only):
             continue
         sweep(scn, dev, record, grouped_settings, split_settings, args.planner_only, planner_settings,
-              row_planner_settings, direct_splits)
+              row_planner_settings, direct_splits, direct_resolved)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -135,7 +141,8 @@ def same_plan_as(ref_plan):
 
 
 def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_only: bool = False,
-          planner_settings=PLANNER, row_planner_settings=ROW_PLANNER, direct_splits=DIRECT_SPLITS) -> None:
+          planner_settings=PLANNER, row_planner_settings=ROW_PLANNER, direct_splits=DIRECT_SPLITS,
+          direct_resolved=DIRECT_RESOLVED) -> None:
     """Every setting of one workload: planners, grouped, xqa and splitk, each checked then timed."""
     t0 = time.time()
     w = attention_workload(scn, dev)
@@ -214,7 +221,7 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
                              v_scale=c.v_scale, out=out)
     record(scn.name, "xqa-total", "default", xqa_total, check)
     if rows <= routes.DIRECT_MAX_ROWS:
-        for setting in split_settings:  # the direct kernel (+ merge): its own row lists, no plan launch
+        for setting in (*split_settings, *direct_resolved):  # the direct kernel (+ merge): no plan launch
             cfg = routes.SplitConfig(*setting)
 
             def run_direct(cfg=cfg):

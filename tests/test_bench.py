@@ -359,6 +359,8 @@ def test_tune_smoke_checks_and_times_every_setting(tmp_path, monkeypatch):
     assert row_planners == {(None, None, None), (16, 4, True)}
     layouts = {r["setting"][4] for r in records if r["what"] == "plan-grouped" and r["setting"] != "-"}
     assert layouts == {"nibbles", "rows"}
+    resolved = {len(r["setting"]) == 6 and r["setting"][5] for r in records if r["what"] == "direct-attn"}
+    assert resolved == {False, True}
 
 
 def test_ncu_probe_runs_a_scenario(capsys):
