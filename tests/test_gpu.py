@@ -189,6 +189,35 @@ def test_direct_xqa_at_real_width(rows, num_reqs, dtype, kv):
         assert torch.equal(out, base[0]), f"CUDA-graph replay {i}"
 
 
+@pytest.mark.parametrize("splits", [3, 5, 9, 17, 33, 65])
+def test_direct_xqa_resolved_splits_at_real_width(splits):
+    """MTP rows at 64K through the direct kernel at many split counts, each split's entries resolved before
+    its loop: exact, and bitwise the same as the tile-by-tile loads. (Before the gather index was clamped,
+    the software pipeline's look-ahead read past the resolved entries: 9 splits faulted on the H200.)"""
+    from qsa import attention, routes
+
+    c = qsa_case(rows=8, context=65536, seed=12)
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from benchmarks.baselines import chunked_attention, full_fp32_matmul
+
+    k, v = c["kv"][:, 0], c["kv"][:, 1]
+    args = (c["indices"], c["block_table"], c["token_to_req"], c["positions"], c["seq_lens"])
+    with full_fp32_matmul():
+        ref = chunked_attention(c["q"], k, v, *args, compute_dtype=torch.float32).double()
+    low = chunked_attention(c["q"], k, v, *args, compute_dtype=torch.float16)
+    outs = []
+    for resolve in (True, False):
+        out = torch.full_like(c["q"], float("nan"))
+        cfg = dataclasses.replace(routes.xqa_direct_config(6, 256, 8), resolve_split=resolve, prefetch=False)
+        attention.xqa_direct_attention(c["q"], k, v, *args, row_start=0, out=out, lse=None, gate=None,
+                                       softmax_scale=256 ** -0.5, k_scale=1.0, v_scale=1.0, kv_fp8=False,
+                                       config=cfg, num_splits=splits)
+        torch.cuda.synchronize()
+        outs.append(out)
+    assert_close_like_torch(outs[0], ref, low, name=f"xqa-direct, {splits} resolved splits")
+    assert torch.equal(outs[0], outs[1]), f"{splits} splits: resolved vs tile by tile"
+
+
 def test_cuda_graph_replay_matches_eager():
     rows, context = 257, 32768
     a = qsa_case(rows=rows, context=context, num_reqs=2, seed=3)
