@@ -23,7 +23,8 @@ def ascending_rows(indices: torch.Tensor) -> torch.Tensor:
     return torch.where(key == big, -1, key).to(torch.int32)
 
 
-def run_direct(case, *, splits=1, scratch=None, indices=None, prefetch=False, resolve_split=False, **kw):
+def run_direct(case, *, splits=1, scratch=None, indices=None, prefetch=False, resolve_split=False, config=None,
+               **kw):
     c = case.cache
     out = torch.full_like(case.q, float("nan"))
     lse = torch.full(case.q.shape[:2], float("nan"), dtype=torch.float32)
@@ -33,8 +34,8 @@ def run_direct(case, *, splits=1, scratch=None, indices=None, prefetch=False, re
         case.positions, case.seq_lens, row_start=0, out=out, lse=lse, gate=case.gate,
         softmax_scale=case.q.shape[2] ** -0.5, k_scale=c.k_scale, v_scale=c.v_scale,
         kv_fp8=c.kv_cache_dtype == "fp8_e4m3", num_splits=splits, scratch=scratch,
-        config=routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=prefetch,
-                                  resolve_split=resolve_split), **kw)
+        config=config or routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=prefetch,
+                                            resolve_split=resolve_split), **kw)
     return out, lse
 
 
@@ -77,16 +78,22 @@ def test_sorted_rows_take_the_fast_path():
         assert touched == (r in unsorted), (r, scratch[r])
 
 
+def mixed_order_case(seed, shuffled):
+    """9 rows of 44 indices, sorted as ``select_tokens`` emits them except rows ``shuffled``."""
+    case = make_attention_case(rows=9, num_reqs=3, num_q_heads=4, num_kv_heads=1, head_dim=16, width=44,
+                               max_seq_len=140, padding_rows=1, seed=seed)
+    idx = ascending_rows(case.indices)
+    for r in shuffled:
+        idx[r] = idx[r][torch.randperm(44, generator=torch.Generator().manual_seed(r))]
+    case.indices = idx
+    return case
+
+
 def test_direct_prefetch_rechecks_the_first_tile():
     """With the prefetch, each split's first tile is read from the row as given while the row is
     checked; rows found out of order read it again from their sorted list. Sorted and shuffled rows in
     one batch: exact, and bitwise the same as without the prefetch."""
-    case = make_attention_case(rows=9, num_reqs=3, num_q_heads=4, num_kv_heads=1, head_dim=16, width=44,
-                               max_seq_len=140, padding_rows=1, seed=25)
-    idx = ascending_rows(case.indices)
-    for r in (2, 5, 6):
-        idx[r] = idx[r][torch.randperm(44, generator=torch.Generator().manual_seed(r))]
-    case.indices = idx
+    case = mixed_order_case(25, (2, 5, 6))
     for splits in (1, 3):
         got = run_direct(case, splits=splits, prefetch=True)
         check(case, got)
@@ -99,12 +106,7 @@ def test_direct_split_entries_resolved_before_the_loop(splits):
     the row as given, again from the sorted list for rows out of order) and takes each tile's from
     registers: exact on messy rows, sorted and shuffled in one batch, and bitwise the same as the
     tile-by-tile loads."""
-    case = make_attention_case(rows=9, num_reqs=3, num_q_heads=4, num_kv_heads=1, head_dim=16, width=44,
-                               max_seq_len=140, padding_rows=1, seed=26)
-    idx = ascending_rows(case.indices)
-    for r in (1, 4, 8):
-        idx[r] = idx[r][torch.randperm(44, generator=torch.Generator().manual_seed(r))]
-    case.indices = idx
+    case = mixed_order_case(26, (1, 4, 8))
     got = run_direct(case, splits=splits, resolve_split=True)
     check(case, got)
     _assert_bitwise(got, run_direct(case, splits=splits), f"resolved vs tile by tile, {splits} splits")
@@ -219,16 +221,8 @@ def test_direct_resolves_splits_up_to_the_cap(monkeypatch):
     case = make_attention_case(rows=2, num_reqs=1, num_q_heads=2, num_kv_heads=1, head_dim=16, width=700,
                                max_seq_len=900, padding_rows=0, seed=27)
     case.indices = ascending_rows(case.indices)
-    c = case.cache
     for splits in (1, 2, 3):
-        out = torch.full_like(case.q, float("nan"))
-        attention.xqa_direct_attention(case.q, c.k, c.v, case.indices, case.block_table, case.token_to_req,
-                                       case.positions, case.seq_lens, row_start=0, out=out, lse=None, gate=None,
-                                       softmax_scale=0.25, k_scale=1.0, v_scale=1.0, kv_fp8=False,
-                                       num_splits=splits, config=routes.xqa_direct_config(2, 16, 2))
-        check_out = case.run(reference_attention, compute_dtype=torch.float64)[0]
-        low = case.run(reference_attention, compute_dtype=case.q.dtype)[0]
-        assert_close_like_torch(out, check_out, low, name=f"{splits} splits")
+        check(case, run_direct(case, splits=splits, config=routes.xqa_direct_config(2, 16, 2)))
     # 700 entries = 22 tiles of 32: one split of 1024 (not resolved; the prefetch of <= 16 lists instead),
     # two of 512 and three of 256 (resolved)
     assert seen == [(1, 0, True), (2, 512, False), (3, 256, False)], seen

@@ -162,8 +162,8 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
     width = indices.shape[1]
     cfg = config or routes.xqa_direct_config(G, d, n * hkv)
     block_w = max(16, next_pow2(width))
-    splits = num_splits or routes.direct_split_count(n * hkv, max(1, -(-width // cfg.tile_tokens)),
-                                                     cfg.programs_per_sm, q.device)
+    tiles = max(1, -(-width // cfg.tile_tokens))
+    splits = num_splits or routes.direct_split_count(n * hkv, tiles, cfg.programs_per_sm, q.device)
     q, qk_scale = scores_scale(q, softmax_scale, k_scale)
     strides, g, lse_t = _common(q, k, v, out, gate, lse)
     if scratch is None:
@@ -172,7 +172,7 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
             or scratch.stride(1) != 1:
         raise ValueError(f"scratch must be a [{rows}, >= {block_w}] int32 tensor, got {tuple(scratch.shape)}")
     part_acc, part_ml = _partials(n, hq, splits, d, q.device) if splits > 1 else (out, out)
-    split_n = next_pow2(-(-max(1, -(-width // cfg.tile_tokens)) // splits) * cfg.tile_tokens)
+    split_n = next_pow2(-(-tiles // splits) * cfg.tile_tokens)  # a split's entries, rounded up
     resolve = cfg.resolve_split and split_n <= routes.DIRECT_RESOLVE_MAX
     xqa_direct_kernel[(n, hkv, splits)](
         q, k, v, indices, block_table, token_to_req, positions, seq_lens, scratch, g, out, lse_t,
