@@ -112,6 +112,29 @@ def test_direct_split_entries_resolved_before_the_loop(splits):
     _assert_bitwise(got, run_direct(case, splits=splits), f"resolved vs tile by tile, {splits} splits")
 
 
+def test_direct_drops_tokens_past_the_length_below_the_position():
+    """Rows whose position lies past their request's length (``t <= pos`` keeps tokens that ``t <
+    seq_len`` drops): the direct kernel reads their table entries before the length is known and must
+    drop them before any K/V load (their cache slots hold NaN). Exact, sorted and shuffled, resolved
+    and tile by tile, and bitwise the same for both orders."""
+    case = make_attention_case(rows=9, num_reqs=3, num_q_heads=4, num_kv_heads=1, head_dim=16, width=44,
+                               max_seq_len=140, padding_rows=1, seed=29)
+    idx, pos = case.indices.clone(), case.positions.clone()
+    for r in (2, 3, 6, 7):
+        n = int(case.seq_lens[int(case.token_to_req[r])])
+        pos[r] = n + 6
+        past = torch.arange(n, n + 7, dtype=torch.int32)
+        idx[r, :7] = past  # past the length, not past the position
+    case.positions = pos
+    case.indices = ascending_rows(idx)
+    shuffled = case.with_permuted_indices(torch.Generator().manual_seed(30))
+    for splits in (1, 3):
+        for kw in (dict(), dict(resolve_split=True), dict(prefetch=True)):
+            got = run_direct(case, splits=splits, **kw)
+            check(case, got)
+            _assert_bitwise(got, run_direct(shuffled, splits=splits, **kw), f"shuffled, {splits} splits, {kw}")
+
+
 def test_direct_is_bitwise_deterministic():
     """Sorted vs shuffled rows (fast path vs in-kernel sort), repeats, and page moves: the same bits."""
     case = make_attention_case(rows=10, num_reqs=3, num_q_heads=6, num_kv_heads=1, head_dim=32, width=48,

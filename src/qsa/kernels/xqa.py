@@ -10,7 +10,7 @@ import triton.language as tl
 
 from .common import (attend_tile, attend_tokens, enter_launch, load_kv_tile, split_range,
                      store_result)
-from .plan import INT32_MAX, _logically_kept, _row_setup
+from .plan import INT32_MAX, _row_setup
 
 
 @triton.jit
@@ -118,11 +118,19 @@ def xqa_attention_kernel(
 
 
 @triton.jit
+def _table_safe(b_t, pos, row_ok, max_blocks, BLOCK_SIZE: tl.constexpr):
+    """The checks of SPEC section 4 that need neither ``seq_len`` nor the table: a valid row, 0 <= t <=
+    pos, t's block inside the table. Only ``t < seq_len`` is left, whose load waits on the request's: so
+    the table entries of these tokens are loaded without waiting for it (they lie inside the table's row
+    whatever they hold), and the tokens past ``seq_len`` are dropped before any K/V is read."""
+    return row_ok & (b_t >= 0) & (b_t <= pos) & (b_t // BLOCK_SIZE < max_blocks)
+
+
+@triton.jit
 def _direct_row_list(
     p_idx,  # the row of ``indices``: [W] int32 token indices
     p_scratch,  # the row's scratch row: [>= BLOCK_W] int32
     pos,
-    seq_len,
     row_ok,
     W,
     max_blocks,
@@ -131,15 +139,18 @@ def _direct_row_list(
 ):
     """(pointer to the row's list, its length, whether the row is its own list).
 
-    A row that already ascends (as ``select_tokens`` emits it: kept tokens strictly ascending, dropped
-    entries only at the end) is its own list of length W, read with the keep checks of
-    ``_list_entries``: nothing is written. Any other row is sorted, its duplicates dropped, and its kept
-    tokens written to the row's scratch row (every program of the row writes the same values there),
-    a list of their count. Both give the same entries at the same positions for the same token set.
+    The list holds the row's tokens that pass ``_table_safe``, ascending, each once; ``_list_entries``
+    then drops those past ``seq_len``. Those are the list's largest, so its kept tokens are at the same
+    positions (the i-th smallest at position i) whether ``seq_len`` is applied here or there, and the
+    check does not wait for the ``seq_len`` load. A row that already ascends (as ``select_tokens`` emits
+    it: tokens strictly ascending, dropped entries only at the end) is its own list of length W: nothing
+    is written. Any other row is sorted, its duplicates dropped, and its tokens written to the row's
+    scratch row (every program of the row writes the same values there), a list of their count. Both
+    give the same entries at the same positions for the same token set.
     """
     o_w = tl.arange(0, BLOCK_W)
     b_t = tl.load(p_idx + o_w, mask=o_w < W, other=-1)
-    m_keep = row_ok & (b_t >= 0) & (b_t < seq_len) & (b_t <= pos) & (b_t // BLOCK_SIZE < max_blocks)
+    m_keep = _table_safe(b_t, pos, row_ok, max_blocks, BLOCK_SIZE)
     b_key = tl.where(m_keep, b_t, INT32_MAX)
     b_prev = tl.gather(b_key, tl.maximum(o_w - 1, 0), 0)
     m_ok = (o_w == 0) | (b_prev < b_key) | (b_key == INT32_MAX)
@@ -158,13 +169,14 @@ def _direct_row_list(
 
 
 @triton.jit
-def _list_entries(p_list, o_e, n_list, p_bt, pos, seq_len, max_blocks, BLOCK_SIZE: tl.constexpr):
+def _list_entries(p_list, o_e, n_list, p_bt, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE: tl.constexpr):
     """(token, physical block) of list entries ``o_e``; the block is -1 for an entry past the list or
-    a token the row does not keep (the block-table check is the caller's)."""
+    a token the row does not keep (the block-table check is the caller's). The table is read before
+    ``seq_len`` is known (``_table_safe``), so a K/V load waits on two loads (list, table), not three."""
     b_t = tl.load(p_list + o_e, mask=o_e < n_list, other=-1)
-    m_keep = _logically_kept(b_t, pos, seq_len, max_blocks, BLOCK_SIZE)
-    b_phys = tl.load(p_bt + b_t // BLOCK_SIZE, mask=m_keep, other=-1)
-    return b_t, b_phys
+    m_safe = _table_safe(b_t, pos, row_ok, max_blocks, BLOCK_SIZE)
+    b_phys = tl.load(p_bt + b_t // BLOCK_SIZE, mask=m_safe, other=-1)
+    return b_t, tl.where(m_safe & (b_t < seq_len), b_phys, -1)
 
 
 @triton.jit
@@ -255,21 +267,21 @@ def xqa_direct_kernel(
         # load of its own tile and the pipeline can issue them num_stages - 1 tiles ahead.
         o_s = tl.arange(0, SPLIT_N)
         n_split = tl.minimum(W, tile_end * BLOCK_N)
-        b_ts, b_ps = _list_entries(p_idx, tile_start * BLOCK_N + o_s, n_split, p_bt, pos, seq_len, max_blocks,
-                                   BLOCK_SIZE)
+        b_ts, b_ps = _list_entries(p_idx, tile_start * BLOCK_N + o_s, n_split, p_bt, pos, seq_len, row_ok,
+                                   max_blocks, BLOCK_SIZE)
     elif PREFETCH:  # the first tile's entries, read from the row as given while the row is checked
-        b_t_next, b_phys_next = _list_entries(p_idx, tile_start * BLOCK_N + o_n, W, p_bt, pos, seq_len,
+        b_t_next, b_phys_next = _list_entries(p_idx, tile_start * BLOCK_N + o_n, W, p_bt, pos, seq_len, row_ok,
                                               max_blocks, BLOCK_SIZE)
-    p_list, n_list, ascending = _direct_row_list(p_idx, scratch_ptr + i_r * stride_scratch_row, pos, seq_len,
-                                                 row_ok, W, max_blocks, BLOCK_SIZE, BLOCK_W)
+    p_list, n_list, ascending = _direct_row_list(p_idx, scratch_ptr + i_r * stride_scratch_row, pos, row_ok, W,
+                                                 max_blocks, BLOCK_SIZE, BLOCK_W)
     if SPLIT_N > 0:
         if not ascending:
             b_ts, b_ps = _list_entries(p_list, tile_start * BLOCK_N + o_s, tl.minimum(n_list, tile_end * BLOCK_N),
-                                       p_bt, pos, seq_len, max_blocks, BLOCK_SIZE)
+                                       p_bt, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
     elif PREFETCH:
         if not ascending:
             b_t_next, b_phys_next = _list_entries(p_list, tile_start * BLOCK_N + o_n, n_list, p_bt, pos,
-                                                  seq_len, max_blocks, BLOCK_SIZE)
+                                                  seq_len, row_ok, max_blocks, BLOCK_SIZE)
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
@@ -285,10 +297,10 @@ def xqa_direct_kernel(
         elif PREFETCH:
             b_t = b_t_next
             b_phys = b_phys_next
-            b_t_next, b_phys_next = _list_entries(p_list, o_e + BLOCK_N, n_list, p_bt, pos, seq_len, max_blocks,
-                                                  BLOCK_SIZE)
+            b_t_next, b_phys_next = _list_entries(p_list, o_e + BLOCK_N, n_list, p_bt, pos, seq_len, row_ok,
+                                                  max_blocks, BLOCK_SIZE)
         else:
-            b_t, b_phys = _list_entries(p_list, o_e, n_list, p_bt, pos, seq_len, max_blocks, BLOCK_SIZE)
+            b_t, b_phys = _list_entries(p_list, o_e, n_list, p_bt, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
         m_n = (b_phys >= 0) & (b_phys < num_blocks)
         b_m, b_l, b_acc = attend_tokens(b_q, b_t, b_phys, m_n, m_row, i_kvh, k_ptr, v_ptr, o_d, b_m, b_l, b_acc,
                                         qk_scale, stride_k_block, stride_k_tok, stride_k_head, stride_v_block,
