@@ -56,7 +56,7 @@ SPLIT = [  # tile_tokens, num_warps, num_stages, programs_per_sm, prefetch (spli
     (32, 4, 3, 2, False),
 ]
 DIRECT_RESOLVED = [  # the direct kernel with each split's entries read before its loop (SplitConfig's sixth
-    # field, resolve_split; routes.DIRECT_RESOLVE_MAX still caps it): the shipped setting and its neighbours
+    # field, resolve_split; routes.direct_resolves still decides where): the shipped setting and its neighbours
     (32, 4, 3, 2, False, True), (32, 4, 2, 2, False, True), (32, 4, 4, 2, False, True), (16, 4, 3, 2, False, True),
     (64, 4, 3, 2, False, True), (32, 4, 3, 1, False, True),
 ]

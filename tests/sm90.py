@@ -118,6 +118,7 @@ def check_grouped_kernel(act, cache, G):
 def check_single_row_kernel(route, cache):
     cfg = {"xqa": routes.xqa_config, "xqa-direct": routes.xqa_direct_config,
            "xqa-direct-64": lambda G, d: routes.xqa_direct_config(G, d, 64),
+           "xqa-direct-128": lambda G, d: routes.xqa_direct_config(G, d, 128),
            "xqa-direct-unresolved": lambda G, d: dataclasses.replace(routes.xqa_direct_config(G, d),
                                                                       resolve_split=False),
            "splitk": routes.splitk_config}[route](6, 256)
@@ -126,8 +127,9 @@ def check_single_row_kernel(route, cache):
         kernel = xqa_direct_kernel
         ptrs.update(idx_ptr="*i32", bt_ptr="*i32", req_ptr="*i32", pos_ptr="*i64", seq_lens_ptr="*i32",
                     scratch_ptr="*i32")
-        # As launched: mtp-8's 33 splits of 64 entries, decode-64's 5 of 512 (resolved before the loop).
-        split_n = (512 if route == "xqa-direct-64" else 64) if cfg.resolve_split else 0
+        # As launched: mtp-8's 33 splits of 64 entries, decode-64's 4 of 1024 and decode-64 24/2's 2 of 2048
+        # (resolved before the loop; one wave each).
+        split_n = {"xqa-direct-64": 1024, "xqa-direct-128": 2048}.get(route, 64) if cfg.resolve_split else 0
         cx = dict(BLOCK_N=cfg.tile_tokens, BLOCK_W=routes.DIRECT_MAX_WIDTH, PREFETCH=cfg.prefetch and not split_n,
                   SPLIT_N=split_n)
     elif route == "xqa":
@@ -144,6 +146,7 @@ def check_single_row_kernel(route, cache):
                             floats=("qk_scale", "v_scale"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     assert usage["shared"] <= SMEM_LIMIT, usage
     assert usage["pdl"], usage
+    assert usage["local"] == 0, usage  # no spills
     return usage
 
 
@@ -185,7 +188,7 @@ def main() -> int:
     for act, cache in (("fp16", "fp16"), ("bf16", "bf16"), ("fp16", "u8")):
         for G in (6, 12, 24):
             print(f"grouped {act}/{cache} G={G}: {check_grouped_kernel(act, cache, G)}")
-    for route in ("xqa", "xqa-direct", "xqa-direct-64", "xqa-direct-unresolved", "splitk"):
+    for route in ("xqa", "xqa-direct", "xqa-direct-64", "xqa-direct-128", "xqa-direct-unresolved", "splitk"):
         for cache in ("fp16", "u8"):
             print(f"{route} {cache}: {check_single_row_kernel(route, cache)}")
     check_merge_and_planner_kernels()

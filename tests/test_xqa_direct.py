@@ -212,22 +212,30 @@ def test_direct_narrow_rows(width):
 
 
 def test_direct_split_count_leaves_no_split_empty(monkeypatch):
-    """On a 132-SM GPU: about two programs per SM, at most DIRECT_MAX_SPLITS, and the fewest splits
-    with the same most tiles per split (a 65-tile row cut 32 ways would leave 10 splits empty)."""
+    """On a 132-SM GPU: about two programs per SM, at most DIRECT_MAX_SPLITS, the most splits that fit
+    one wave where more would put over 1/8 of a wave into a second one, and the fewest splits with the
+    same most tiles per split (a 65-tile row cut 32 ways would leave 10 splits empty)."""
     monkeypatch.setattr(routes, "device_facts", lambda dev: dict(kind="cuda", sm_count=132))
     gpu = torch.device("cuda")
-    assert [routes.direct_split_count(p, 65, 2, gpu) for p in (1, 5, 8, 16, 64, 264)] == [33, 33, 33, 17, 5, 1]
+    # 16 lists: 17 splits (272 programs, 8 past the wave); 64 lists: 4 (one wave), not 5 (320)
+    assert [routes.direct_split_count(p, 65, 2, gpu) for p in (1, 5, 8, 16, 32, 64, 128, 264)] == \
+        [33, 33, 33, 17, 9, 4, 2, 1]
     for programs in range(1, 300, 7):
         for tiles in (1, 2, 3, 17, 64, 65, 129):
             s = routes.direct_split_count(programs, tiles, 2, gpu)
             per = -(-tiles // s)
             want = max(1, min(routes.DIRECT_MAX_SPLITS, tiles, -(-264 // programs))) if programs < 264 else 1
+            if programs * want > 264 + 33:
+                want = 264 // programs
             assert 1 <= s <= want and per == -(-tiles // want) and (s - 1) * per < tiles, (programs, tiles, s)
+            if programs <= 264 and s * programs > 264:
+                assert s * programs <= 264 + 33, (programs, tiles, s)
 
 
 def test_direct_resolves_splits_up_to_the_cap(monkeypatch):
-    """The default config resolves a split's entries before its loop only where the split holds at most
-    ``DIRECT_RESOLVE_MAX`` entries (a power of two); wider splits keep the tile-by-tile loads."""
+    """The default config resolves a split's entries before its loop where the split holds at most
+    ``DIRECT_RESOLVE_MAX`` entries (a power of two), or at most ``DIRECT_RESOLVE_WAVE_MAX`` in a launch
+    that fits one wave; other splits keep the tile-by-tile loads. Exact either way."""
     import qsa.kernels.xqa as kx
 
     seen = []
@@ -241,11 +249,20 @@ def test_direct_resolves_splits_up_to_the_cap(monkeypatch):
 
     kx_kernel = kx.xqa_direct_kernel
     monkeypatch.setattr(kx, "xqa_direct_kernel", Spy())
-    case = make_attention_case(rows=2, num_reqs=1, num_q_heads=2, num_kv_heads=1, head_dim=16, width=700,
-                               max_seq_len=900, padding_rows=0, seed=27)
+    cfg = routes.xqa_direct_config(2, 16, 3)
+    case = make_attention_case(rows=3, num_reqs=1, num_q_heads=2, num_kv_heads=1, head_dim=16, width=1500,
+                               max_seq_len=1600, padding_rows=0, seed=27)
     case.indices = ascending_rows(case.indices)
-    for splits in (1, 2, 3):
-        check(case, run_direct(case, splits=splits, config=routes.xqa_direct_config(2, 16, 2)))
-    # 700 entries = 22 tiles of 32: one split of 1024 (not resolved; the prefetch of <= 16 lists instead),
-    # two of 512 and three of 256 (resolved)
-    assert seen == [(1, 0, True), (2, 512, False), (3, 256, False)], seen
+    narrow = make_attention_case(rows=3, num_reqs=1, num_q_heads=2, num_kv_heads=1, head_dim=16, width=700,
+                                 max_seq_len=900, padding_rows=0, seed=28)
+    narrow.indices = ascending_rows(narrow.indices)
+    for sm_count in (1, 2):  # 2 or 4 program slots for 3 lists
+        monkeypatch.setattr(routes, "device_facts", lambda dev, n=sm_count: dict(kind="cuda", sm_count=n))
+        for splits in (1, 2, 3):
+            check(narrow, run_direct(narrow, splits=splits, config=cfg))
+        check(case, run_direct(case, splits=1, config=cfg))
+    # 700 entries = 22 tiles of 32: one split of 1024 is resolved only in one wave (4 slots), two of 512
+    # and three of 256 always; 1500 entries (47 tiles): one split of 2048 in one wave only.
+    assert seen == [(1, 0, True), (2, 512, False), (3, 256, False), (1, 0, True),
+                    (1, 1024, False), (2, 512, False), (3, 256, False), (1, 2048, False)], seen
+    assert routes.DIRECT_RESOLVE_WAVE_MAX == 2048

@@ -173,7 +173,7 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
         raise ValueError(f"scratch must be a [{rows}, >= {block_w}] int32 tensor, got {tuple(scratch.shape)}")
     part_acc, part_ml = _partials(n, hq, splits, d, q.device) if splits > 1 else (out, out)
     split_n = next_pow2(-(-tiles // splits) * cfg.tile_tokens)  # a split's entries, rounded up
-    resolve = cfg.resolve_split and split_n <= routes.DIRECT_RESOLVE_MAX
+    resolve = cfg.resolve_split and routes.direct_resolves(n * hkv, splits, split_n, cfg.programs_per_sm, q.device)
     xqa_direct_kernel[(n, hkv, splits)](
         q, k, v, indices, block_table, token_to_req, positions, seq_lens, scratch, g, out, lse_t,
         part_acc, part_ml, row_start, width, block_table.shape[0], block_table.shape[1], k.shape[0], hq,

@@ -41,7 +41,13 @@ DIRECT_MAX_ROWS = 64
 DIRECT_MAX_WIDTH = 4096
 """Widest ``indices`` row the direct kernel holds in registers."""
 DIRECT_RESOLVE_MAX = 512
-"""Most entries of a split (rounded up to a power of two) that the direct kernel resolves before its loop."""
+"""Most entries of a split (rounded up to a power of two) that the direct kernel resolves before its loop
+in any launch."""
+DIRECT_RESOLVE_WAVE_MAX = 2048
+"""... and in a launch that fits one wave (at most ``programs_per_sm`` programs per SM)."""
+DIRECT_WAVE_SLACK = 8
+"""The direct kernel's split count may put up to 1/8 of a wave into a second one; past that it takes
+the most splits that fit one wave (see :func:`direct_split_count`)."""
 
 _logged: set[str] = set()
 
@@ -74,7 +80,7 @@ class SplitConfig:
     programs_per_sm: int = 3  # split each row's list until the launch has about this many programs
     prefetch: bool = False  # xqa: load each tile's plan entries one iteration ahead
     resolve_split: bool = False  # direct xqa: a split's tokens and pages all read before its loop, where
-    # the split holds at most DIRECT_RESOLVE_MAX entries (else ``prefetch`` applies)
+    # ``direct_resolves`` allows (else ``prefetch`` applies)
 
 
 @dataclass(frozen=True)
@@ -138,7 +144,7 @@ def xqa_direct_config(G: int, head_dim: int, lists: int = 1) -> SplitConfig:
     iteration). On the H200, plan + run (interleaved, us): mtp-8 17.5-18.0 -> 16.4-16.9,
     mtp-16 20.7-21.0 -> 19.8-20.1, decode-1 14.7-14.9 -> 13.7-13.9, decode-16 26.9-27.0 -> 24.6-24.7,
     decode-64 57.1-57.8 -> 55.8-56.4, decode-64 FP8 81.7-82.1 -> 57.7-57.9; but decode-64 24/2 (three
-    splits of 22 tiles, 1024 entries) 90.0 -> 101.2, hence ``DIRECT_RESOLVE_MAX``
+    splits of 22 tiles, 1024 entries, two waves) 90.0 -> 101.2, hence :func:`direct_resolves`
     (benchmarks/results/experiments/2026-11-30-0636-direct-resolved-splits-nvidia-h200.json). Without it, up
     to 16 lists read each split's first tile while the row is checked and every next one a tile ahead
     (mtp-8 17.5 vs 18.0 us, 2026-11-30-0017-direct-width-splits); at 64 rows that prefetch costs more
@@ -279,8 +285,32 @@ DIRECT_MAX_SPLITS = 64
 
 
 def direct_split_count(programs: int, tiles: int, programs_per_sm: int, device: torch.device) -> int:
-    """Splits of the direct xqa kernel, whose rows are ``tiles`` tiles long whatever they keep:
-    :func:`split_count` up to ``DIRECT_MAX_SPLITS``, then as few splits as hold the same most tiles per
-    split, so that no split is empty."""
+    """Splits of the direct xqa kernel, whose rows are ``tiles`` tiles long whatever they keep.
+
+    :func:`split_count` up to ``DIRECT_MAX_SPLITS``, unless that puts more than 1/``DIRECT_WAVE_SLACK``
+    of a wave of programs into a second wave: then the most splits that fit one wave. Then as few
+    splits as hold the same most tiles per split, so that no split is empty. On the H200, plan + run
+    (us), decode-64 (64 lists of 65 tiles): 5 splits (320 programs on 264 slots) 54.5, 4 splits of 17
+    tiles (one wave, resolved) 52.6; FP8 63.0 -> 47.0; bf16 54.6 -> 52.4; 12/1 55.6 -> 53.8; 24/2 (128
+    lists) 3 splits 90.4, 2 splits resolved 85.3. Where few programs spill over, more splits stay
+    better: mtp-16 (17 splits, 272 programs) 18.9 against 19.9 for 13 splits in one wave
+    (benchmarks/results/experiments/2026-11-30-0736-direct-table-chain-waves-nvidia-h200.json)."""
     want = split_count(programs, tiles, programs_per_sm, device, cap=DIRECT_MAX_SPLITS)
+    facts = device_facts(str(device))
+    slots = programs_per_sm * facts["sm_count"]
+    if facts["kind"] == "cuda" and programs * want > slots + slots // DIRECT_WAVE_SLACK and programs <= slots:
+        want = slots // programs
     return -(-tiles // -(-tiles // want))
+
+
+def direct_resolves(programs: int, splits: int, split_entries: int, programs_per_sm: int,
+                    device: torch.device) -> bool:
+    """Whether the direct kernel reads all ``split_entries`` (a power of two) of each split before its
+    loop: up to ``DIRECT_RESOLVE_MAX`` always, up to ``DIRECT_RESOLVE_WAVE_MAX`` where the launch fits
+    one wave. On the H200, decode-64 24/2 with 3 splits of 22 tiles (384 programs, 1024 entries) took
+    101.2 us resolved against 90.0 tile by tile; in one wave, 4 splits of 1024 entries (decode-64) and
+    2 of 2048 (24/2) were the fastest settings measured (:func:`direct_split_count`)."""
+    if split_entries <= DIRECT_RESOLVE_MAX:
+        return True
+    facts = device_facts(str(device))
+    return split_entries <= DIRECT_RESOLVE_WAVE_MAX and programs * splits <= programs_per_sm * facts["sm_count"]
