@@ -75,6 +75,20 @@ def test_split_lists_merge_in_order(route, monkeypatch):
         _assert_bitwise(base, _run(case, route), "prefetch vs no prefetch")
 
 
+@pytest.mark.parametrize("cols,warps", [(8, 2), (16, 4)])
+@pytest.mark.parametrize("route", ["xqa", "splitk"])
+def test_merge_in_column_chunks(route, cols, warps, monkeypatch):
+    """The split merge with each head's columns cut over several programs (``routes.merge_config``):
+    exact, out and LSE (every column program stores the same LSE), and bitwise stable under relocation."""
+    case = make_attention_case(rows=9, num_reqs=2, num_q_heads=4, num_kv_heads=2, head_dim=32, width=120,
+                               max_seq_len=300, with_gate=True, seed=9)
+    monkeypatch.setattr(qsa.routes, "split_count", lambda programs, max_tiles, per_sm, device: 3)
+    monkeypatch.setattr(qsa.routes, "merge_config", lambda splits, d: (cols, warps))
+    check_route(case, route)
+    mapping = random_mapping(case.cache.num_blocks, generator=torch.Generator().manual_seed(10))
+    _assert_bitwise(_run(case, route), _run(case.relocated(mapping), route), "relocation with column chunks")
+
+
 @pytest.mark.parametrize("lazy", [False, True])
 def test_grouped_lazy_rescale(lazy, monkeypatch):
     """Scores spread over tens of log2 units, so a lazily rescaled row's reference max moves in some

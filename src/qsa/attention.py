@@ -96,12 +96,14 @@ def _merge(part_acc, part_ml, *, out, lse, gate, row_offset, v_scale, num_splits
 
     n, hq, _, d = part_acc.shape
     strides, g, lse_t = _common(out, out, out, out, gate, lse)
-    merge_splits_kernel[(n, hq)](
+    block_d, warps = routes.merge_config(num_splits, d)
+    merge_splits_kernel[(n, hq, d // block_d)](
         part_acc, part_ml, out, g, lse_t, row_offset, hq, float(v_scale),
         strides["stride_o_row"], strides["stride_o_head"], strides["stride_g_row"],
         strides["stride_g_head"], strides["stride_lse_row"],
         NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits), HEAD_DIM=d,
-        HAS_GATE=gate is not None, RETURN_LSE=lse is not None, num_warps=4, **launch_options(out.device),
+        HAS_GATE=gate is not None, RETURN_LSE=lse is not None, BLOCK_D=block_d, num_warps=warps,
+        **launch_options(out.device),
     )
 
 

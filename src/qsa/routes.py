@@ -154,6 +154,15 @@ def xqa_direct_config(G: int, head_dim: int, lists: int = 1) -> SplitConfig:
                        resolve_split=True)
 
 
+def merge_config(num_splits: int, head_dim: int) -> tuple[int, int]:
+    """(columns per program, warps) of ``merge_splits_kernel``: one program per row and head, all of its
+    columns, 4 warps. On the H200 no column split or warp count was faster (plan + run, us, two rounds:
+    mtp-8 xqa 14.6-15.3 with 256 columns on 4 warps, 15.0-15.7 with 256 on 8, 128 or 64 on 4, 64 or 32
+    on 2; mtp-16, decode-1 and decode-64 likewise within noise or slower;
+    benchmarks/results/experiments/2026-11-30-0810-merge-columns-nvidia-h200.json)."""
+    return head_dim, 4
+
+
 def splitk_config(G: int, head_dim: int) -> SplitConfig:
     return SplitConfig(tile_tokens=64, num_warps=4, num_stages=2)
 

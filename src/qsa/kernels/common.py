@@ -313,16 +313,20 @@ def merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    BLOCK_D: tl.constexpr = 0,  # columns per program (0: all HEAD_DIM); grid axis 2 = HEAD_DIM // BLOCK_D
     PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
-    """Combine the splits of one head of one row. All splits are loaded at once and reduced by a
-    fixed tree (the same for every call of a shape), not one after another: a row's merge is one
-    round of loads (the accumulators do not wait on the sums), whatever the split count."""
+    """Combine the splits of one head of one row (``BLOCK_D`` of its columns). All splits are loaded at
+    once and reduced by a fixed tree (the same for every call of a shape and setting), not one after
+    another: a row's merge is one round of loads (the accumulators do not wait on the sums), whatever
+    the split count. Every column program of a head computes the same weights and LSE from the same
+    sums, so they store the same LSE bits."""
     enter_launch(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
+    COLS: tl.constexpr = HEAD_DIM if BLOCK_D == 0 else BLOCK_D
     o_s = tl.arange(0, BLOCK_S)
-    o_d = tl.arange(0, HEAD_DIM)
+    o_d = tl.program_id(2).to(tl.int64) * COLS + tl.arange(0, COLS)
     o_part = (i_r * Hq + i_h) * NUM_SPLITS + o_s
     m_s = o_s < NUM_SPLITS
     b_ms = tl.load(part_ml_ptr + o_part * 2, mask=m_s, other=float("-inf"))
