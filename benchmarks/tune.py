@@ -49,6 +49,10 @@ ROW_PLANNER = [  # single-row planner: indices per step, warps, scan-free steps 
 DIRECT_SPLITS = (17, 33, 48, 65)
 """Split counts tried for the direct xqa kernel besides routes.direct_split_count's, on workloads of at most
 16 rows (a 2051-wide row is 65 tiles of 32 tokens)."""
+DIRECT_SPLITS_WIDE = (2, 3, 4, 5, 6)
+"""... and on wider ones (decode-64: 4 splits fit one wave of two programs per SM on 132 SMs, 5 do not)."""
+MERGE = [(256, 4), (256, 8), (128, 4), (64, 2)]
+"""Split-merge settings (columns per program, warps; routes.merge_config) tried on the direct route's total."""
 SPLIT = [  # tile_tokens, num_warps, num_stages, programs_per_sm, prefetch (splitk sweeps the first three; the
     # direct xqa kernel sweeps them all on workloads of at most routes.DIRECT_MAX_ROWS rows)
     (64, 4, 2, 1, False), (64, 4, 2, 3, False), (64, 4, 3, 1, False), (64, 4, 3, 1, True), (32, 4, 4, 1, True),
@@ -97,6 +101,8 @@ def main(argv=None) -> int:
     row_planner_settings = (ROW_PLANNER[0], (16, 4, True)) if args.smoke else ROW_PLANNER
     direct_splits = (3,) if args.smoke else DIRECT_SPLITS
     direct_resolved = (DIRECT_RESOLVED[0],) if args.smoke else DIRECT_RESOLVED
+    direct_splits_wide = (2,) if args.smoke else DIRECT_SPLITS_WIDE
+    merge_settings = ((16, 4), (8, 2)) if args.smoke else MERGE
     if args.no_planner:
         planner_settings = ()
     timer = Timer(dev, TimingConfig(budget_s=0.15, min_reps=5, max_reps=50))
@@ -120,7 +126,7 @@ def main(argv=None) -> int:
         if args.only and not any(s in scn.name for s in args.only):
             continue
         sweep(scn, dev, record, grouped_settings, split_settings, args.planner_only, planner_settings,
-              row_planner_settings, direct_splits, direct_resolved)
+              row_planner_settings, direct_splits, direct_resolved, direct_splits_wide, merge_settings)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -142,7 +148,7 @@ def same_plan_as(ref_plan):
 
 def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_only: bool = False,
           planner_settings=PLANNER, row_planner_settings=ROW_PLANNER, direct_splits=DIRECT_SPLITS,
-          direct_resolved=DIRECT_RESOLVED) -> None:
+          direct_resolved=DIRECT_RESOLVED, direct_splits_wide=DIRECT_SPLITS_WIDE, merge_settings=MERGE) -> None:
     """Every setting of one workload: planners, grouped, xqa and splitk, each checked then timed."""
     t0 = time.time()
     w = attention_workload(scn, dev)
@@ -229,13 +235,13 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
                                                w.positions, w.seq_lens, row_start=0, config=cfg, **kw)
                 return out
             record(scn.name, "direct-attn", setting, run_direct, check)
-        if rows <= 16:  # few rows: other split counts, default settings
-            for splits in direct_splits:
-                def run_direct_splits(splits=splits):
-                    attention.xqa_direct_attention(q, c.k, c.v, w.indices, w.block_table, w.token_to_req,
-                                                   w.positions, w.seq_lens, row_start=0, num_splits=splits, **kw)
-                    return out
-                record(scn.name, "direct-splits", splits, run_direct_splits, check)
+        # other split counts, default settings (resolved where routes.direct_resolves allows)
+        for splits in (direct_splits if rows <= 16 else direct_splits_wide):
+            def run_direct_splits(splits=splits):
+                attention.xqa_direct_attention(q, c.k, c.v, w.indices, w.block_table, w.token_to_req,
+                                               w.positions, w.seq_lens, row_start=0, num_splits=splits, **kw)
+                return out
+            record(scn.name, "direct-splits", splits, run_direct_splits, check)
         direct_plan = plan_attention(**inputs, **shape, route="xqa", rows_sorted=True)
 
         def direct_total():
@@ -243,6 +249,13 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
             return run_attention(p, q, c.k, c.v, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
                                  v_scale=c.v_scale, out=out)
         record(scn.name, "direct-total", "default", direct_total, check)
+        default_merge = routes.merge_config
+        try:
+            for cols, warps in merge_settings:
+                routes.merge_config = lambda splits, d, cols=cols, warps=warps: (min(cols, d), warps)
+                record(scn.name, "direct-merge", (cols, warps), direct_total, check)
+        finally:
+            routes.merge_config = default_merge
     tokens_plan = plan_attention(**{k: v for k, v in inputs.items()}, num_q_heads=scn.num_q_heads,
                                  num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route="splitk")
     for setting in split_settings[:3]:

@@ -354,7 +354,9 @@ def test_tune_smoke_checks_and_times_every_setting(tmp_path, monkeypatch):
     assert records and all(r["error"] is None and r["median_ms"] > 0 for r in records), records
     whats = {r["what"] for r in records}
     assert {"plan-single", "plan-grouped", "grouped-attn", "xqa-attn", "splitk-attn", "direct-attn",
-            "direct-total", "direct-splits"} <= whats
+            "direct-total", "direct-splits", "direct-merge"} <= whats
+    merges = {tuple(r["setting"]) for r in records if r["what"] == "direct-merge"}
+    assert merges == {(16, 4), (8, 2)}
     row_planners = {tuple(r["setting"]) for r in records if r["what"] == "plan-single" and r["setting"] != "-"}
     assert row_planners == {(None, None, None), (16, 4, True)}
     layouts = {r["setting"][4] for r in records if r["what"] == "plan-grouped" and r["setting"] != "-"}
