@@ -12,6 +12,12 @@ import qsa
 from qsa.reference import make_attention_case
 
 
+def negatives_last(indices: torch.Tensor) -> torch.Tensor:
+    """Each row sorted ascending with its negative entries moved to the end as -1 (int32)."""
+    key = torch.sort(torch.where(indices < 0, 2**40, indices.long()), dim=1).values
+    return torch.where(key == 2**40, -1, key).to(torch.int32)
+
+
 def main() -> int:
     g = torch.Generator().manual_seed(0)
     wild = torch.tensor([-2**31, -5, 2**31 - 1, 2**30, 10**6], dtype=torch.int32)
@@ -36,8 +42,7 @@ def main() -> int:
             print(f"{kv_cache_dtype:9s} {route:8s} {kw} finite={ok}")
         # Wild rows sorted with negatives last: the row planner's ascending-row path (xqa, splitk).
         given = case.indices
-        key = torch.sort(torch.where(given < 0, 2**40, given.long()), dim=1).values
-        case.indices = torch.where(key == 2**40, -1, key).to(torch.int32)
+        case.indices = negatives_last(given)
         for route in ("xqa", "splitk"):
             out, lse = case.run(qsa.sparse_paged_attention, route=route, return_lse=True)
             torch.cuda.synchronize()
@@ -49,12 +54,11 @@ def main() -> int:
         # with negatives last (its fast path reads the row itself).
         small = torch.arange(12, device="cuda")
         for order in ("as given", "sorted"):
-            idx = case.indices[:12].long()
+            idx = case.indices[:12]
             if order == "sorted":
-                idx = torch.sort(torch.where(idx < 0, 2**40, idx), dim=1).values
-                idx = torch.where(idx == 2**40, -1, idx)
+                idx = negatives_last(idx)
             out, lse = qsa.sparse_paged_attention(
-                case.q[:12], case.cache.k, case.cache.v, idx.to(torch.int32), case.block_table,
+                case.q[:12], case.cache.k, case.cache.v, idx, case.block_table,
                 case.token_to_req[small], case.positions[small], case.seq_lens, kv_cache_dtype=kv_cache_dtype,
                 k_scale=case.cache.k_scale, v_scale=case.cache.v_scale, rows_sorted=True, return_lse=True)
             torch.cuda.synchronize()
@@ -70,8 +74,7 @@ def main() -> int:
         pick = torch.randint(0, 5, idx.shape, generator=g)
         swap = torch.rand(idx.shape, generator=g) < 0.05
         idx[swap] = wild[pick[swap]].long()
-        idx = torch.sort(torch.where(idx < 0, 2**40, idx), dim=1).values
-        case.indices = torch.where(idx == 2**40, -1, idx).to(torch.int32).cuda()
+        case.indices = negatives_last(idx).cuda()
         out, lse = case.run(qsa.sparse_paged_attention, route="xqa", rows_sorted=True, return_lse=True)
         torch.cuda.synchronize()
         ok = bool(torch.isfinite(out).all())

@@ -158,7 +158,7 @@ def check_merge_and_planner_kernels():
 
     compile_sm90(merge_splits_kernel, {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*fp16",
                                        "gate_ptr": "*fp16", "lse_ptr": "*fp32"},
-                 dict(NUM_SPLITS=8, BLOCK_S=8, HEAD_DIM=256, HAS_GATE=True, RETURN_LSE=True), floats=("v_scale",))
+                 dict(NUM_SPLITS=8, BLOCK_S=8, HEAD_DIM=256, HAS_GATE=True, RETURN_LSE=True, BLOCK_D=256), floats=("v_scale",))
     rows = {"idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32",
             "ids_ptr": "*i32", "masks_ptr": "*u8", "counts_ptr": "*i32", "unsorted_ptr": "*i32",
             "num_unsorted_ptr": "*i32", "keys_ptr": "*i32"}

@@ -265,4 +265,3 @@ def test_direct_resolves_splits_up_to_the_cap(monkeypatch):
     # and three of 256 always; 1500 entries (47 tiles): one split of 2048 in one wave only.
     assert seen == [(1, 0, True), (2, 512, False), (3, 256, False), (1, 0, True),
                     (1, 1024, False), (2, 512, False), (3, 256, False), (1, 2048, False)], seen
-    assert routes.DIRECT_RESOLVE_WAVE_MAX == 2048

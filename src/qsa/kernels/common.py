@@ -313,7 +313,7 @@ def merge_splits_kernel(
     HEAD_DIM: tl.constexpr,
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
-    BLOCK_D: tl.constexpr = 0,  # columns per program (0: all HEAD_DIM); grid axis 2 = HEAD_DIM // BLOCK_D
+    BLOCK_D: tl.constexpr,  # columns per program (a divisor of HEAD_DIM); grid axis 2 = HEAD_DIM // BLOCK_D
     PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """Combine the splits of one head of one row (``BLOCK_D`` of its columns). All splits are loaded at
@@ -324,9 +324,8 @@ def merge_splits_kernel(
     enter_launch(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
-    COLS: tl.constexpr = HEAD_DIM if BLOCK_D == 0 else BLOCK_D
     o_s = tl.arange(0, BLOCK_S)
-    o_d = tl.program_id(2).to(tl.int64) * COLS + tl.arange(0, COLS)
+    o_d = tl.program_id(2).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
     o_part = (i_r * Hq + i_h) * NUM_SPLITS + o_s
     m_s = o_s < NUM_SPLITS
     b_ms = tl.load(part_ml_ptr + o_part * 2, mask=m_s, other=float("-inf"))
