@@ -374,3 +374,47 @@ def test_ncu_probe_runs_a_scenario(capsys):
     assert "finite True" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         ncu_probe.main(["tiny-selection", "--device", "cpu"])
+
+
+def test_floors_probe_sums_exactly_the_entries_xqa_reads(device):
+    """benchmarks.floors: each gather-probe variant (precomputed offsets, block table, contiguous copy)
+    sums exactly the K/V head rows the xqa route reads, per program, at several split counts, for an
+    fp16 and an FP8 cache; probes whose offsets are wrong (one entry moved to the next head row, or to
+    the NaN block 0) are rejected."""
+    from benchmarks import floors
+    from benchmarks.generators import attention_workload
+
+    by_name = {s.name: s for s in registry.SCENARIOS}
+    for name in ("tiny-prefill", "tiny-decode"):
+        scn = by_name[name]
+        probe = floors.Probe(attention_workload(scn, torch.device(device)), scn)
+        assert probe.kept.any()
+        for variant in ("flat", "table", "contiguous"):
+            for splits in (1, 2, 3):
+                assert probe.checked(variant, splits, 16, 4, 2)[1], (name, variant, splits)
+    good = probe.flat.clone()
+    i, j = (good >= 0).nonzero()[0].tolist()
+    for wrong in (good[i, j] + 1, 0):
+        probe.flat = good.clone()
+        probe.flat[i, j] = wrong
+        assert not probe.checked("flat", 2, 16, 4, 2)[1], wrong
+        assert probe.checked("table", 2, 16, 4, 2)[1]
+
+
+def test_floors_cli_writes_its_report(tmp_path, capsys):
+    """``python -m benchmarks.floors`` on the CPU: routes, launches and probes measured, JSON and
+    Markdown written; a selection scenario is refused."""
+    from benchmarks import floors
+
+    assert floors.main(["tiny-decode", "--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
+    (js,) = tmp_path.glob("floors-*.json")
+    rep = json.load(open(js))
+    (rec,) = rep["scenarios"]
+    assert rec["scenario"] == "tiny-decode" and rec["kv_bytes"] > 0
+    assert {p["variant"] for p in rec["probes"]} == {"flat", "table", "contiguous"}
+    assert all(p["ok"] and p["median_ms"] > 0 for p in rec["probes"])
+    assert rec["xqa_ms"] > 0 and rec["splitk_ms"] > 0 and rec["launch_2_ms"] > 0
+    assert "tiny-decode" in capsys.readouterr().out
+    assert list(tmp_path.glob("floors-*.md"))
+    with pytest.raises(SystemExit):
+        floors.main(["tiny-selection", "--device", "cpu"])
