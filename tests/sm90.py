@@ -27,7 +27,7 @@ from qsa.kernels.xqa import xqa_attention_kernel, xqa_direct_kernel
 
 
 def compile_sm90(kernel, pointers: dict, constexprs: dict, floats=(), num_warps=4, num_stages=2,
-                 divisible=None):
+                 divisible=None, maxnreg=None):
     """Compile ``kernel`` for sm_90; ``pointers`` maps pointer args to Triton dtypes ("*fp16").
 
     As a real launch would, pointers and the args named in ``divisible`` (default: every
@@ -51,8 +51,10 @@ def compile_sm90(kernel, pointers: dict, constexprs: dict, floats=(), num_warps=
             signature[name] = "i32"
     defaults = {p.name: p.default for p in jit.params if p.is_constexpr and p.has_default}
     src = triton.compiler.ASTSource(fn=jit, signature=signature, constexprs={**defaults, **constexprs}, attrs=attrs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    if maxnreg:
+        options["maxnreg"] = maxnreg
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     return compiled, resource_usage(compiled)
 
 
@@ -85,6 +87,7 @@ def resource_usage(compiled) -> dict:
 
 compile_sm90_ = compile_sm90
 SMEM_LIMIT = 227 * 1024
+SM_SHARED = 228 * 1024  # an H200 SM's shared memory, all of its programs together
 ACT = {"fp16": tl.float16, "bf16": tl.bfloat16}
 
 
@@ -116,20 +119,23 @@ def check_grouped_kernel(act, cache, G):
 
 
 def check_single_row_kernel(route, cache):
-    cfg = {"xqa": routes.xqa_config, "xqa-direct": routes.xqa_direct_config,
-           "xqa-direct-64": lambda G, d: routes.xqa_direct_config(G, d, 64),
-           "xqa-direct-128": lambda G, d: routes.xqa_direct_config(G, d, 128),
+    fp8 = cache == "u8"
+    cfg = {"xqa": lambda G, d: routes.xqa_config(G, d),
+           "xqa-direct": lambda G, d: routes.xqa_direct_config(G, d, 8, kv_fp8=fp8),
+           "xqa-direct-64": lambda G, d: routes.xqa_direct_config(G, d, 64, kv_fp8=fp8),
+           "xqa-direct-128": lambda G, d: routes.xqa_direct_config(G, d, 128, kv_fp8=fp8),
            "xqa-direct-unresolved": lambda G, d: dataclasses.replace(routes.xqa_direct_config(G, d),
                                                                       resolve_split=False),
-           "splitk": routes.splitk_config}[route](6, 256)
+           "splitk": lambda G, d: routes.splitk_config(G, d)}[route](6, 256)
     ptrs = _attention_pointers("fp16", cache)
     if route.startswith("xqa-direct"):
         kernel = xqa_direct_kernel
         ptrs.update(idx_ptr="*i32", bt_ptr="*i32", req_ptr="*i32", pos_ptr="*i64", seq_lens_ptr="*i32",
                     scratch_ptr="*i32")
-        # As launched: mtp-8's 33 splits of 64 entries, decode-64's 4 of 1024 and decode-64 24/2's 2 of 2048
-        # (resolved before the loop; one wave each).
-        split_n = {"xqa-direct-64": 1024, "xqa-direct-128": 2048}.get(route, 64) if cfg.resolve_split else 0
+        # As launched: mtp-8's 33 splits of 64 entries, decode-64's 4 of 1024 (6 of 512 with an FP8 cache)
+        # and decode-64 24/2's 2 of 2048 (resolved before the loop; one wave each).
+        split_n = {"xqa-direct-64": 512 if fp8 else 1024, "xqa-direct-128": 2048}.get(route, 64)
+        split_n = split_n if cfg.resolve_split else 0
         cx = dict(BLOCK_N=cfg.tile_tokens, BLOCK_W=routes.DIRECT_MAX_WIDTH, PREFETCH=cfg.prefetch and not split_n,
                   SPLIT_N=split_n)
     elif route == "xqa":
@@ -143,10 +149,19 @@ def check_single_row_kernel(route, cache):
     _, usage = compile_sm90(kernel, ptrs, dict(G=6, BLOCK_G=16, NUM_SPLITS=4, KV_FP8=cache == "u8",
                                                SAME_KV_STRIDES=True,
                                                DOT_DTYPE=tl.float16, **cx, **FLAGS),
-                            floats=("qk_scale", "v_scale"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                            floats=("qk_scale", "v_scale"), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                            maxnreg=getattr(cfg, "max_registers", None))
     assert usage["shared"] <= SMEM_LIMIT, usage
     assert usage["pdl"], usage
     assert usage["local"] == 0, usage  # no spills
+    if route.startswith("xqa-direct"):
+        # The programs per SM that the split count assumes fit: registers and shared memory (each
+        # program also holds 1 KB of the SM's shared memory for the system).
+        threads = 32 * cfg.num_warps
+        assert cfg.programs_per_sm * threads * usage["regs"] <= 65536, (route, cache, cfg, usage)
+        assert cfg.programs_per_sm * (usage["shared"] + 1024) <= SM_SHARED, (route, cache, cfg, usage)
+        if cfg.max_registers is None:
+            assert usage["stack"] == 0, usage
     return usage
 
 

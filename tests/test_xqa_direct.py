@@ -265,3 +265,42 @@ def test_direct_resolves_splits_up_to_the_cap(monkeypatch):
     # and three of 256 always; 1500 entries (47 tiles): one split of 2048 in one wave only.
     assert seen == [(1, 0, True), (2, 512, False), (3, 256, False), (1, 0, True),
                     (1, 1024, False), (2, 512, False), (3, 256, False), (1, 2048, False)], seen
+
+
+def test_direct_register_cap_and_programs_per_sm(monkeypatch):
+    """The default config caps the direct kernel's registers for at most ``DIRECT_CAP_LISTS`` lists and
+    for an FP8 cache, which past that cap counts three programs per SM; the launch passes the cap as
+    ``maxnreg`` (and nothing otherwise), and the split count follows the programs per SM. Exact either way."""
+    import qsa.kernels.xqa as kx
+
+    for lists in (1, 8, 16, 17, 64, 128):
+        for fp8 in (False, True):
+            cfg = routes.xqa_direct_config(6, 256, lists, kv_fp8=fp8)
+            capped = lists <= routes.DIRECT_CAP_LISTS or fp8
+            assert cfg.max_registers == (routes.DIRECT_MAX_REGISTERS if capped else None), (lists, fp8)
+            assert cfg.programs_per_sm == (3 if fp8 and lists > routes.DIRECT_CAP_LISTS else 2), (lists, fp8)
+
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((grid[2], kw.get("maxnreg")))
+                return kx_kernel[grid](*args, **kw)
+            return launch
+
+    kx_kernel = kx.xqa_direct_kernel
+    monkeypatch.setattr(kx, "xqa_direct_kernel", Spy())
+    monkeypatch.setattr(routes, "device_facts", lambda dev: dict(kind="cuda", sm_count=4))
+    for cap_lists, kv_cache_dtype, want in ((16, "auto", (3, 168)), (1, "auto", (3, None)),
+                                             (1, "fp8_e4m3", (4, 168))):
+        # 3 lists of 22 tiles on 4 SMs: 3 splits at two programs per SM (9 programs on 8 slots, within
+        # the one-program slack), 4 at three (12 slots).
+        monkeypatch.setattr(routes, "DIRECT_CAP_LISTS", cap_lists)
+        case = make_attention_case(rows=3, num_reqs=1, num_q_heads=2, num_kv_heads=1, head_dim=16, width=700,
+                                   max_seq_len=900, padding_rows=0, kv_cache_dtype=kv_cache_dtype, seed=29)
+        case.indices = ascending_rows(case.indices)
+        seen.clear()
+        check(case, run_direct(case, splits=None,
+                               config=routes.xqa_direct_config(2, 16, 3, kv_fp8=kv_cache_dtype != "auto")))
+        assert seen == [want], (cap_lists, kv_cache_dtype, seen)

@@ -162,7 +162,7 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
     hkv = k.shape[2]
     G = hq // hkv
     width = indices.shape[1]
-    cfg = config or routes.xqa_direct_config(G, d, n * hkv)
+    cfg = config or routes.xqa_direct_config(G, d, n * hkv, kv_fp8=kv_fp8)
     block_w = max(16, next_pow2(width))
     tiles = max(1, -(-width // cfg.tile_tokens))
     splits = num_splits or routes.direct_split_count(n * hkv, tiles, cfg.programs_per_sm, q.device)
@@ -188,6 +188,7 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
         SAME_KV_STRIDES=same_kv_strides(k, v), DOT_DTYPE=_dot_dtype(q),
         HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
         # the merge launched early slowed this kernel (H200: decode-64 58.0 -> 61.4 us, mtp-8 16.9 -> 17.9)
         **launch_options(q.device, early_trigger=False),
     )

@@ -45,6 +45,11 @@ DIRECT_RESOLVE_MAX = 512
 in any launch."""
 DIRECT_RESOLVE_WAVE_MAX = 2048
 """... and in a launch that fits one wave (at most ``programs_per_sm`` programs per SM)."""
+DIRECT_MAX_REGISTERS = 168
+"""Register cap of the direct kernel where it is capped (:func:`xqa_direct_config`): three 128-thread
+programs per SM."""
+DIRECT_CAP_LISTS = 16
+"""Most lists (rows x KV heads) for which the direct kernel is capped whatever its cache dtype."""
 DIRECT_WAVE_SLACK = 8
 """The direct kernel's split count may put up to 1/8 of a wave into a second one; past that it takes
 the most splits that fit one wave (see :func:`direct_split_count`)."""
@@ -81,6 +86,7 @@ class SplitConfig:
     prefetch: bool = False  # xqa: load each tile's plan entries one iteration ahead
     resolve_split: bool = False  # direct xqa: a split's tokens and pages all read before its loop, where
     # ``direct_resolves`` allows (else ``prefetch`` applies)
+    max_registers: int | None = None  # register cap per thread (``maxnreg``) on the GPU; None: the compiler's
 
 
 @dataclass(frozen=True)
@@ -134,7 +140,7 @@ def xqa_config(G: int, head_dim: int) -> SplitConfig:
     return SplitConfig(tile_tokens=32, num_warps=4, num_stages=4, programs_per_sm=1, prefetch=True)
 
 
-def xqa_direct_config(G: int, head_dim: int, lists: int = 1) -> SplitConfig:
+def xqa_direct_config(G: int, head_dim: int, lists: int = 1, kv_fp8: bool = False) -> SplitConfig:
     """Settings of the direct kernel for ``lists`` = rows x KV heads.
 
     32-token tiles, 3 stages, about two programs per SM. Each split's tokens and pages are all read
@@ -149,9 +155,23 @@ def xqa_direct_config(G: int, head_dim: int, lists: int = 1) -> SplitConfig:
     to 16 lists read each split's first tile while the row is checked and every next one a tile ahead
     (mtp-8 17.5 vs 18.0 us, 2026-11-30-0017-direct-width-splits); at 64 rows that prefetch costs more
     than it hides (decode-64: 73.4 vs 57.6 us).
+
+    Registers: the kernel takes 227-234 per thread, mostly for its row check and its in-kernel sort of
+    an unsorted row (4096 entries held across 128 threads), not for the tile loop. Capped at
+    ``DIRECT_MAX_REGISTERS`` (168), ptxas spills 48-56 bytes, all of them before the loop (sm_90 SASS),
+    and three programs fit an SM (3 x 75 KB of shared memory). On the H200, plan + run (us, two rounds,
+    benchmarks/results/experiments/2026-11-30-0910-direct-register-cap-nvidia-h200.json), the cap with
+    the same splits: mtp-8 15.5 -> 14.9-15.0, mtp-5 15.1 -> 14.8, decode-1 13.3 -> 13.2, decode-16 23.5-23.6
+    -> 23.3-23.4, mtp-16 18.8 -> 18.7; but decode-64 52.8-52.9 -> 53.1 and 12/1 54.2-54.3 -> 54.6-54.7. With
+    an FP8 cache, whose tiles are converted in registers, three programs per SM (decode-64: 6 splits
+    instead of 4) took 41.0-41.1 against 47.0-47.3 (the cap with 4 splits: 48.4). Hence the cap for at most
+    16 lists, and with three programs per SM for an FP8 cache past that.
     """
-    return SplitConfig(tile_tokens=32, num_warps=4, num_stages=3, programs_per_sm=2, prefetch=lists <= 16,
-                       resolve_split=True)
+    capped = lists <= DIRECT_CAP_LISTS or kv_fp8
+    return SplitConfig(tile_tokens=32, num_warps=4, num_stages=3,
+                       programs_per_sm=3 if kv_fp8 and lists > DIRECT_CAP_LISTS else 2,
+                       prefetch=lists <= 16, resolve_split=True,
+                       max_registers=DIRECT_MAX_REGISTERS if capped else None)
 
 
 def merge_config(num_splits: int, head_dim: int) -> tuple[int, int]:
