@@ -160,12 +160,14 @@ def xqa_direct_config(G: int, head_dim: int, lists: int = 1, kv_fp8: bool = Fals
     an unsorted row (4096 entries held across 128 threads), not for the tile loop. Capped at
     ``DIRECT_MAX_REGISTERS`` (168), ptxas spills 48-56 bytes, all of them before the loop (sm_90 SASS),
     and three programs fit an SM (3 x 75 KB of shared memory). On the H200, plan + run (us, two rounds,
-    benchmarks/results/experiments/2026-11-30-0910-direct-register-cap-nvidia-h200.json), the cap with
+    benchmarks/results/experiments/2026-11-30-0858-direct-register-cap-nvidia-h200.json), the cap with
     the same splits: mtp-8 15.5 -> 14.9-15.0, mtp-5 15.1 -> 14.8, decode-1 13.3 -> 13.2, decode-16 23.5-23.6
     -> 23.3-23.4, mtp-16 18.8 -> 18.7; but decode-64 52.8-52.9 -> 53.1 and 12/1 54.2-54.3 -> 54.6-54.7. With
     an FP8 cache, whose tiles are converted in registers, three programs per SM (decode-64: 6 splits
     instead of 4) took 41.0-41.1 against 47.0-47.3 (the cap with 4 splits: 48.4). Hence the cap for at most
-    16 lists, and with three programs per SM for an FP8 cache past that.
+    16 lists, and with three programs per SM for an FP8 cache past that. The shipped rule against the old
+    one (2026-11-30-0905-direct-register-cap-defaults): mtp-8 14.7 -> 14.3, mtp-8 with an FP8 cache 15.2 ->
+    14.8, decode-64 FP8 46.9 -> 40.7; decode-16 FP8 (16 lists) 20.5 either way.
     """
     capped = lists <= DIRECT_CAP_LISTS or kv_fp8
     return SplitConfig(tile_tokens=32, num_warps=4, num_stages=3,
