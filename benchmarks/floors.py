@@ -8,12 +8,14 @@ For each named scenario, in one process:
   (the attention kernel and the split merge).
 * ``gather`` probes: a kernel that reads exactly the K/V head rows the xqa route reads (each row's kept
   tokens, 4-token runs scattered over the shuffled pages), with the direct kernel's shape of work: one
-  program per (row, KV head, split), ``BLOCK_N`` tokens per tile, splits from
-  ``routes.direct_split_count`` or given. It only sums what it reads (fp32), so it is the time of the
-  loads alone. Variants: ``flat`` (each token's element offset precomputed: one index load per tile
-  before its K/V), ``table`` (the token, then its block-table entry, then K/V, as the direct kernel
-  resolves them) and ``contiguous`` (the same byte count and program shape, each row's tokens laid out
-  one after another in a separate buffer: no gather at all).
+  program per (row, KV head, split), ``BLOCK_N`` tokens per tile, the split's entries read before the
+  loop, the K/V loads pipelined as asynchronous copies; splits from ``routes.direct_split_count`` or
+  given. It feeds the tiles to two products with all-ones operands and sums the results, so it is the
+  time of the loads alone. Variants: ``flat`` (each entry's head row precomputed: one load before the
+  loop), ``table`` (the tokens, then their block-table entries, as the direct kernel resolves them;
+  it reads every valid entry, as the scenarios' rows keep them all) and ``contiguous`` (the same byte
+  count and program shape, each list's rows laid out one after another in a separate buffer: no gather).
+  Every probe is checked per program against an fp64 sum before it is timed.
 * the ``xqa`` and ``splitk`` routes, plan + run as the benchmark times them, and the target's time:
   80% of the copy bandwidth on the route's bytes (decode), splitk / 1.5 (MTP).
 
@@ -23,6 +25,7 @@ For each named scenario, in one process:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -308,7 +311,7 @@ def run_scenario(scn, timer: Timer, ceilings: dict, *, quick: bool, split_factor
 
 def markdown(report: dict) -> str:
     lines = [f"Floors on {report['device']}, {report['date']} (copy {report['ceilings']['copy_gbps']:.0f} GB/s); "
-             "us, medians of graph replays with the L2 flushed.", "",
+             f"us, medians of graph replays with the L2 flushed ({report.get('flush', 'write')}).", "",
              "| scenario | target | xqa | splitk | 1 launch | 2 launches | best gather (flat) | best gather "
              "(table) | contiguous | flat GB/s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -337,17 +340,20 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=None, help="directory for floors-<date>-<device>.json and .md")
     p.add_argument("--quick", action="store_true", help="one probe setting per variant, default splits")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--flush", choices=Timer.FLUSHES, default="write",
+                   help="L2 flush before each replay: write (the benchmark's) or read (leaves the L2 clean)")
     args = p.parse_args(argv)
     by_name = {s.name: s for s in SCENARIOS}
     bad = [n for n in args.scenarios if n not in by_name or by_name[n].kind != "attention"]
     if bad:
         p.error(f"not attention scenarios: {bad}")
     dev = torch.device(args.device)
-    timer = Timer(dev, TimingConfig(budget_s=0.2, min_reps=20, max_reps=300) if dev.type == "cuda" else None)
+    cfg = TimingConfig(budget_s=0.2, min_reps=20, max_reps=300) if dev.type == "cuda" else TimingConfig()
+    timer = Timer(dev, dataclasses.replace(cfg, flush=args.flush))
     ceilings = measure_ceilings(timer)
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     report = dict(device=name, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), ceilings=ceilings,
-                  scenarios=[])
+                  flush=args.flush, scenarios=[])
     for n in args.scenarios:
         report["scenarios"].append(run_scenario(by_name[n], timer, ceilings, quick=args.quick))
         print(f"{n}: done", file=sys.stderr, flush=True)
@@ -356,6 +362,8 @@ def main(argv=None) -> int:
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
         stem = f"floors-{time.strftime('%Y-%m-%d-%H%M', time.gmtime())}-{name.lower().replace(' ', '-')}"
+        if args.flush != "write":
+            stem += f"-{args.flush}-flush"
         (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1))
         (args.out / f"{stem}.md").write_text(text)
     return 0

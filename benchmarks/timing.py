@@ -30,6 +30,7 @@ class TimingConfig:
     max_reps: int = 100
     bench_warmup_ms: float = 25.0  # do_bench fallback
     bench_rep_ms: float = 100.0
+    flush: str = "write"  # L2 flush before each replay: "write" (every recorded run) or "read" (see Timer)
 
 
 QUICK_TIMING = TimingConfig(budget_s=0.1, min_reps=5, max_reps=40, bench_warmup_ms=10.0, bench_rep_ms=40.0)
@@ -45,11 +46,20 @@ class Timing:
 
 
 class Timer:
-    """Times callables on one device. ``fn`` must already have run once (compilation, allocation)."""
+    """Times callables on one device. ``fn`` must already have run once (compilation, allocation).
+
+    The L2 flush before each timed replay: ``"write"`` (the default, as ``triton.testing.do_bench``
+    flushes) sets ``FLUSH_BYTES`` to zero, which leaves the L2 full of dirty lines that the timed step
+    writes back as it reads; ``"read"`` reads ``FLUSH_BYTES`` of another buffer, which leaves it clean.
+    Every recorded run used ``"write"``; ``benchmarks.floors --flush read`` measures the difference."""
+
+    FLUSHES = ("write", "read")
 
     def __init__(self, device, config: TimingConfig | None = None):
         self.device = torch.device(device)
         self.config = config or TimingConfig()
+        if self.config.flush not in self.FLUSHES:
+            raise ValueError(f"flush must be one of {self.FLUSHES}, got {self.config.flush!r}")
         self._flush = None
 
     @property
@@ -58,8 +68,15 @@ class Timer:
 
     def flush_l2(self):
         if self._flush is None:
-            self._flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=self.device)
-        self._flush.zero_()
+            if self.config.flush == "write":
+                self._flush = torch.empty(FLUSH_BYTES, dtype=torch.int8, device=self.device)
+            else:
+                self._flush = (torch.ones(FLUSH_BYTES // 4, dtype=torch.float32, device=self.device),
+                               torch.empty((), dtype=torch.float32, device=self.device))
+        if self.config.flush == "write":
+            self._flush.zero_()
+        else:
+            torch.sum(self._flush[0], dim=0, out=self._flush[1])
 
     def time(self, fn, *, graph: bool = True) -> Timing:
         """Median time of ``fn()`` in ms: CUDA-graph replays when ``graph`` and capture works, else

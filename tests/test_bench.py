@@ -418,3 +418,20 @@ def test_floors_cli_writes_its_report(tmp_path, capsys):
     assert list(tmp_path.glob("floors-*.md"))
     with pytest.raises(SystemExit):
         floors.main(["tiny-selection", "--device", "cpu"])
+    assert floors.main(["tiny-decode", "--quick", "--device", "cpu", "--flush", "read", "--out", str(tmp_path)]) == 0
+    (js,) = tmp_path.glob("floors-*-read-flush.json")
+    assert json.load(open(js))["flush"] == "read"
+
+
+def test_timer_flushes():
+    """Both L2 flushes run (a memset, or a read of another buffer into a scalar); an unknown one is refused."""
+    from benchmarks.timing import FLUSH_BYTES, Timer, TimingConfig
+
+    t = Timer("cpu", TimingConfig(flush="write"))
+    t.flush_l2()
+    assert t._flush.numel() == FLUSH_BYTES and not t._flush.any()
+    t = Timer("cpu", TimingConfig(flush="read"))
+    t.flush_l2()
+    assert t._flush[0].numel() * 4 == FLUSH_BYTES and float(t._flush[1]) > 0
+    with pytest.raises(ValueError, match="flush"):
+        Timer("cpu", TimingConfig(flush="none"))
