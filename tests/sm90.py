@@ -71,6 +71,7 @@ def resource_usage(compiled) -> dict:
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
         text = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
         ptx = os.path.join(d, "k.ptx")
         with open(ptx, "w") as f:
             f.write(compiled.asm["ptx"])
@@ -81,6 +82,12 @@ def resource_usage(compiled) -> dict:
     usage["shared"] = compiled.metadata.shared
     usage["wgmma_serialized"] = "C7515" in info.stdout + info.stderr
     usage["pdl"] = "griddepcontrol.wait" in compiled.asm["ptx"]
+    # Spill loads and stores (STL/LDL) between the first and the last tensor-core instruction: inside
+    # the tile loop (and its pipelined prologue and epilogue), where they would cost every tile.
+    ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
+    mma = [i for i, op in enumerate(ops) if op.startswith(("HMMA", "HGMMA"))]
+    usage["loop_spills"] = sum(op.split(".")[0] in ("STL", "LDL") for op in ops[mma[0]:mma[-1] + 1]) if mma else 0
+    usage["spills"] = sum(op.split(".")[0] in ("STL", "LDL") for op in ops)
     usage["mma"] = "wgmma" if "wgmma" in compiled.asm["ptx"] else ("mma" if "mma.sync" in compiled.asm["ptx"] else "none")
     return usage
 
@@ -161,7 +168,8 @@ def check_single_row_kernel(route, cache):
         assert cfg.programs_per_sm * threads * usage["regs"] <= 65536, (route, cache, cfg, usage)
         assert cfg.programs_per_sm * (usage["shared"] + 1024) <= SM_SHARED, (route, cache, cfg, usage)
         if cfg.max_registers is None:
-            assert usage["stack"] == 0, usage
+            assert usage["stack"] == 0 and usage["spills"] == 0, usage
+        assert usage["loop_spills"] == 0, (route, cache, usage)  # capped: spills only outside the loop
     return usage
 
 
