@@ -435,3 +435,36 @@ def test_timer_flushes():
     assert t._flush[0].numel() * 4 == FLUSH_BYTES and float(t._flush[1]) > 0
     with pytest.raises(ValueError, match="flush"):
         Timer("cpu", TimingConfig(flush="none"))
+
+
+def test_floors_keeps_the_tokens_the_reference_keeps():
+    """The probes' kept entries are, row by row, the token set of the reference's keep rule (SPEC
+    section 4) on messy rows: -1, tokens past the position, the length and the table, table entries
+    -1 and past the cache, rows whose position is past their length."""
+    from types import SimpleNamespace
+
+    from benchmarks import floors
+    from qsa.reference import _kept_tokens
+
+    case = make_attention_case(rows=13, num_reqs=3, num_q_heads=2, num_kv_heads=1, head_dim=16, width=40,
+                               max_seq_len=150, padding_rows=0, seed=31)
+    # Rows whose position is past their length, holding tokens in between: only t < seq_len drops them.
+    for r in range(0, 13, 4):
+        n = int(case.seq_lens[case.token_to_req[r]])
+        case.positions[r] = n + 8
+        case.indices[r, :4] = torch.arange(n, n + 4, dtype=case.indices.dtype)
+    c = case.cache
+    w = SimpleNamespace(indices=case.indices, token_to_req=case.token_to_req, positions=case.positions,
+                        seq_lens=case.seq_lens, block_table=case.block_table,
+                        cache=SimpleNamespace(block_size=c.block_size, num_blocks=c.num_blocks))
+    kept = floors.kept_tokens(w)
+    table = case.block_table.tolist()
+    dropped = 0
+    for r in range(case.indices.shape[0]):
+        row = case.indices[r].tolist()
+        want = _kept_tokens(row, int(case.token_to_req[r]), int(case.positions[r]), case.seq_lens.tolist(), table,
+                            c.block_size, c.num_blocks)
+        got = {t for t, k in zip(row, kept[r].tolist()) if k}
+        assert got == set(want), r
+        dropped += sum(1 for t in set(row) if t >= 0 and t not in got)
+    assert dropped > 0  # the case does drop valid-looking entries
