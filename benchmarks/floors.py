@@ -39,8 +39,9 @@ from qsa import routes
 from qsa.kernels.common import split_range
 
 from .breakdown import step_fn
-from .generators import attention_workload
+from .generators import attention_workload, kept_entries
 from .registry import SCENARIOS
+from .run import step_bytes
 from .timing import Timer, TimingConfig, measure_ceilings
 
 
@@ -120,25 +121,11 @@ def gather_sum_kernel(
     tl.store(out_ptr + i_list * NUM_SPLITS + i_split + tl.arange(0, 16), b_total, mask=tl.arange(0, 16) == 0)
 
 
-def kept_tokens(w) -> torch.Tensor:
-    """``[rows, W]`` bool: the entries the xqa route reads (SPEC section 4: valid, causal, inside the
-    sequence and the table; the workloads' rows hold each token once)."""
-    t = w.indices.long()
-    req = w.token_to_req.long()
-    max_blocks = w.block_table.shape[1]
-    ok = (t >= 0) & (t <= w.positions[:, None]) & (t < w.seq_lens.long()[req][:, None])
-    ok &= t // w.cache.block_size < max_blocks
-    phys = w.block_table.long()[req[:, None], (t.clamp(min=0) // w.cache.block_size).clamp(max=max_blocks - 1)]
-    return ok & (phys >= 0) & (phys < w.cache.num_blocks)
-
-
-def flat_offsets(w, kept: torch.Tensor) -> torch.Tensor:
+def flat_offsets(w, kept: torch.Tensor, phys: torch.Tensor) -> torch.Tensor:
     """``[rows * Hkv, W]`` int64: each kept entry's K (= V) head row (its element offset / head_dim),
-    -1 elsewhere."""
+    -1 elsewhere (``kept`` and ``phys`` from ``generators.kept_entries``)."""
     c = w.cache
     t = w.indices.long().clamp(min=0)
-    req = w.token_to_req.long()
-    phys = w.block_table.long()[req[:, None], (t // c.block_size).clamp(max=w.block_table.shape[1] - 1)]
     s_block, s_tok, s_head = c.k.stride(0), c.k.stride(1), c.k.stride(2)
     base = phys * s_block + (t % c.block_size) * s_tok
     heads = torch.arange(c.k.shape[2], device=t.device) * s_head
@@ -161,9 +148,11 @@ class Probe:
 
     def __init__(self, w, scn):
         self.w, self.scn = w, scn
-        self.kept = kept_tokens(w)
-        self.flat = flat_offsets(w, self.kept).contiguous()
         c = w.cache
+        # The entries xqa reads, at their positions in the rows (the scenarios' rows hold each token once).
+        self.kept, self.phys = kept_entries(w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens,
+                                            block_size=c.block_size, num_blocks=c.num_blocks)
+        self.flat = flat_offsets(w, self.kept, self.phys).contiguous()
         self.k, self.v = c.k, c.v
         if c.kv_cache_dtype == "fp8_e4m3":  # read the bytes; the sum is of their integer codes
             self.k, self.v = c.k.view(torch.uint8), c.v.view(torch.uint8)
@@ -174,9 +163,13 @@ class Probe:
         self.lists = w.indices.shape[0] * scn.num_kv_heads
         self._expected = {}
 
-    def default_splits(self, block_n: int, programs_per_sm: int = 2) -> int:
+    def default_splits(self, block_n: int) -> int:
+        """The direct kernel's split count for this workload (its programs per SM), at ``block_n``."""
+        scn = self.scn
+        cfg = routes.xqa_direct_config(scn.num_q_heads // scn.num_kv_heads, scn.head_dim, self.lists,
+                                       kv_fp8=scn.kv_cache_dtype == "fp8_e4m3")
         tiles = triton.cdiv(self.w.indices.shape[1], block_n)
-        return routes.direct_split_count(self.lists, tiles, programs_per_sm, self.k.device)
+        return routes.direct_split_count(self.lists, tiles, cfg.programs_per_sm, self.k.device)
 
     def fn(self, variant: str, splits: int, block_n: int, num_warps: int, stages: int):
         w, scn = self.w, self.scn
@@ -221,8 +214,7 @@ class Probe:
         per_entry = torch.zeros(self.lists, width, dtype=torch.float64, device=self.kept.device)
         t = w.indices.long().clamp(min=0)
         bs = w.cache.block_size
-        req = w.token_to_req.long()
-        phys = w.block_table.long()[req[:, None], (t // bs).clamp(max=w.block_table.shape[1] - 1)]
+        phys = self.phys
         for i in range(self.lists):
             r, h = divmod(i, hkv)
             m = self.kept[r]
@@ -264,11 +256,9 @@ def probe_grid(quick: bool):
 def run_scenario(scn, timer: Timer, ceilings: dict, *, quick: bool, split_factors=(0.5, 1, 2)) -> dict:
     dev = timer.device
     w = attention_workload(scn, dev)
-    act = torch.finfo(w.q.dtype).bits // 8
-    kv_elem = 1 if scn.kv_cache_dtype == "fp8_e4m3" else act
     probe = Probe(w, scn)
-    kv_bytes = int(probe.kept.sum()) * scn.num_kv_heads * scn.head_dim * 2 * kv_elem
-    qo_bytes = 2 * scn.rows * scn.num_q_heads * scn.head_dim * act
+    kv_per_token, qo_bytes = step_bytes(scn)
+    kv_bytes = int(probe.kept.sum()) * kv_per_token
     rec = dict(scenario=scn.name, rows=scn.rows, kv_bytes=kv_bytes, route_bytes=kv_bytes + qo_bytes, probes=[])
 
     # The routes, plan + run.

@@ -235,15 +235,11 @@ def synthetic_index_keys(scn: Scenario, num_blocks: int, *, device, dyadic: bool
 # statistics
 
 
-def kept_tokens(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int, num_blocks: int):
-    """Each row's attended set ``T_r`` (SPEC section 4), vectorised.
-
-    Returns:
-        ``(tokens, phys, keep)``: ``[rows, W]`` int64 tokens sorted ascending per row, their physical
-        blocks, and a bool mask of the entries in ``T_r`` (valid, visible, first of duplicates).
-    """
+def kept_entries(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int, num_blocks: int):
+    """``(keep, phys)``, both ``[rows, W]`` in the rows' own order: whether each entry passes the checks of
+    SPEC section 4 (a valid row; a token that is valid, visible, inside the sequence and the table, whose
+    table entry is a block of the cache; duplicates are all marked), and its physical block."""
     idx = indices.long()
-    rows, width = idx.shape
     num_reqs, max_blocks = block_table.shape
     req = token_to_req.long()
     pos = positions.long()
@@ -255,6 +251,19 @@ def kept_tokens(indices, block_table, token_to_req, positions, seq_lens, *, bloc
     phys = block_table.long()[req_c[:, None], lb.clamp(0, max(max_blocks - 1, 0))]
     keep = (row_ok[:, None] & in_table & (idx < seq[:, None]) & (idx <= pos[:, None])
             & (phys >= 0) & (phys < num_blocks))
+    return keep, phys
+
+
+def kept_tokens(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int, num_blocks: int):
+    """Each row's attended set ``T_r`` (SPEC section 4), vectorised.
+
+    Returns:
+        ``(tokens, phys, keep)``: ``[rows, W]`` int64 tokens sorted ascending per row, their physical
+        blocks, and a bool mask of the entries in ``T_r`` (valid, visible, first of duplicates).
+    """
+    idx = indices.long()
+    keep, phys = kept_entries(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
+                              num_blocks=num_blocks)
     big = torch.iinfo(torch.int64).max
     tokens, order = torch.sort(torch.where(keep, idx, big), dim=1)
     phys = torch.gather(phys, 1, order)

@@ -39,6 +39,17 @@ FATAL_CUDA = ("illegal memory access", "device-side assert", "unspecified launch
 # correctness gate
 
 
+def step_bytes(scn) -> tuple[int, int]:
+    """(K and V bytes per kept token over the KV heads, bytes of q read plus out written) of a scenario."""
+    import torch
+
+    from .generators import TORCH_DTYPES
+
+    act = torch.finfo(TORCH_DTYPES[scn.dtype]).bits // 8
+    kv_elem = 1 if scn.kv_cache_dtype == "fp8_e4m3" else act
+    return scn.num_kv_heads * scn.head_dim * 2 * kv_elem, 2 * scn.rows * scn.num_q_heads * scn.head_dim * act
+
+
 def output_errors(out, ref) -> dict:
     """``max_abs_err``, ``rel_l2_err`` of ``out`` against the fp32 ``ref``, and ``finite``."""
     import torch
@@ -242,7 +253,6 @@ class Suite:
         from .baselines import naive_attention, reference_attention_fp32
         from .generators import TORCH_DTYPES, attention_workload
 
-        torch = self.torch
         self._step(f"{scn.name}: workload + fp32 reference")
         t0 = time.time()
         w = attention_workload(scn, self.device)
@@ -259,10 +269,7 @@ class Suite:
         meta["setup_s"] = round(time.time() - t0, 2)
 
         dtype = TORCH_DTYPES[scn.dtype]
-        act = torch.finfo(dtype).bits // 8
-        kv_elem = 1 if scn.kv_cache_dtype == "fp8_e4m3" else act
-        kv_per_token = scn.num_kv_heads * scn.head_dim * 2 * kv_elem
-        qo_bytes = 2 * scn.rows * scn.num_q_heads * scn.head_dim * act
+        kv_per_token, qo_bytes = step_bytes(scn)
         row_bytes = st["tokens_total"] * kv_per_token + qo_bytes
         grouped_bytes = st["union_total"] * 4 * kv_per_token + qo_bytes
         bytes_of = {"grouped": grouped_bytes}

@@ -437,34 +437,34 @@ def test_timer_flushes():
         Timer("cpu", TimingConfig(flush="none"))
 
 
-def test_floors_keeps_the_tokens_the_reference_keeps():
-    """The probes' kept entries are, row by row, the token set of the reference's keep rule (SPEC
-    section 4) on messy rows: -1, tokens past the position, the length and the table, table entries
-    -1 and past the cache, rows whose position is past their length."""
-    from types import SimpleNamespace
-
-    from benchmarks import floors
+def test_kept_entries_in_row_order_are_the_reference_sets():
+    """``generators.kept_entries`` (the entries the floors' probes read, at their positions in the row)
+    marks, row by row, exactly the tokens of the reference's keep rule (SPEC section 4) on messy rows:
+    -1, tokens past the position, the length and the table, table entries -1 and past the cache, padding
+    rows, rows whose position is past their length."""
+    from benchmarks.generators import kept_entries
     from qsa.reference import _kept_tokens
 
     case = make_attention_case(rows=13, num_reqs=3, num_q_heads=2, num_kv_heads=1, head_dim=16, width=40,
-                               max_seq_len=150, padding_rows=0, seed=31)
+                               max_seq_len=150, padding_rows=2, seed=31)
     # Rows whose position is past their length, holding tokens in between: only t < seq_len drops them.
-    for r in range(0, 13, 4):
+    for r in range(0, 9, 4):
         n = int(case.seq_lens[case.token_to_req[r]])
         case.positions[r] = n + 8
         case.indices[r, :4] = torch.arange(n, n + 4, dtype=case.indices.dtype)
-    c = case.cache
-    w = SimpleNamespace(indices=case.indices, token_to_req=case.token_to_req, positions=case.positions,
-                        seq_lens=case.seq_lens, block_table=case.block_table,
-                        cache=SimpleNamespace(block_size=c.block_size, num_blocks=c.num_blocks))
-    kept = floors.kept_tokens(w)
+    kw = case.plan_inputs()
+    keep, phys = kept_entries(kw["indices"], kw["block_table"], kw["token_to_req"], kw["positions"], kw["seq_lens"],
+                              block_size=kw["block_size"], num_blocks=kw["num_blocks"])
     table = case.block_table.tolist()
     dropped = 0
     for r in range(case.indices.shape[0]):
         row = case.indices[r].tolist()
-        want = _kept_tokens(row, int(case.token_to_req[r]), int(case.positions[r]), case.seq_lens.tolist(), table,
-                            c.block_size, c.num_blocks)
-        got = {t for t, k in zip(row, kept[r].tolist()) if k}
+        req = int(case.token_to_req[r])
+        want = _kept_tokens(row, req, int(case.positions[r]), case.seq_lens.tolist(), table, kw["block_size"],
+                            kw["num_blocks"])
+        got = {t for t, k in zip(row, keep[r].tolist()) if k}
         assert got == set(want), r
+        assert all(p == table[req][t // kw["block_size"]] for t, p, k in zip(row, phys[r].tolist(), keep[r].tolist())
+                   if k), r
         dropped += sum(1 for t in set(row) if t >= 0 and t not in got)
     assert dropped > 0  # the case does drop valid-looking entries
