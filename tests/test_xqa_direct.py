@@ -78,6 +78,57 @@ def test_sorted_rows_take_the_fast_path():
         assert touched == (r in unsorted), (r, scratch[r])
 
 
+
+def row_check_reference(case, idx):
+    """The row check as defined (``_direct_row_list``): with key t for a token ``_table_safe`` keeps
+    (valid row, 0 <= t <= pos, block inside the table) and INT32_MAX for any other entry, a row ascends
+    when every key after the first exceeds the one before it or is INT32_MAX."""
+    big = 2 ** 31 - 1
+    limit = case.block_table.shape[1] * case.cache.block_size
+    verdicts = []
+    for r in range(idx.shape[0]):
+        req, pos = int(case.token_to_req[r]), int(case.positions[r])
+        ok = 0 <= req < case.seq_lens.shape[0] and pos >= 0
+        keys = [t if ok and 0 <= t <= pos and t < limit else big for t in idx[r].tolist()]
+        verdicts.append(all(b == big or a < b for a, b in zip(keys, keys[1:])))
+    return verdicts
+
+
+def test_row_check_verdict_matches_its_definition():
+    """Rows built at the edges of the check: an adjacent duplicate, a dropped entry (negative, past the
+    position, past the table) before kept ones or only at the end, a padding row in any order. A row
+    is sorted in the kernel (its scratch row written) exactly when the defined check fails, and the
+    outputs match the reference either way. (Checks that accept duplicates, compare signed or skip the
+    table bound give other verdicts here.)"""
+    case = make_attention_case(rows=10, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=12,
+                               max_seq_len=90, padding_rows=1, seed=23)
+    limit = case.block_table.shape[1] * case.cache.block_size
+    case.positions[4] = limit + 8  # a position past the table's end: its bound drops what pos keeps
+    idx = torch.full((10, 12), -1, dtype=torch.int32)
+    for r in range(10):
+        pos = max(int(case.positions[r]), 11)
+        base = list(range(pos - 10, pos + 1, 2)) if r != 4 else [1, 3, 5]  # kept when the row is valid
+        padding = not 0 <= int(case.token_to_req[r]) < case.seq_lens.shape[0]
+        rows = {1: base[:2] + [base[1]] + base[2:],  # adjacent duplicate
+                2: [-3] + base,  # dropped (negative) before kept
+                3: base[:2] + [pos + 2] + base[2:],  # dropped (past the position) before kept
+                4: base + [limit + 5, limit + 3],  # past the table, below the position: dropped, at the end
+                5: base + [pos + 1, limit + 1, -2],  # dropped entries only at the end
+                6: base[::-1],  # descending
+                7: base[:2] + [limit + 1] + base[2:],  # dropped (past the table and the position) before kept
+                8: [pos + 1] + base[:1]}.get(r, base)  # dropped first, then one kept
+        if padding:
+            rows = base[::-1]  # a padding row keeps nothing, in any order
+        idx[r, :len(rows)] = torch.tensor(rows[:12], dtype=torch.int32)
+    verdicts = row_check_reference(case, idx)
+    assert not all(verdicts) and any(verdicts), verdicts
+    scratch = torch.full((10, 16), -7, dtype=torch.int32)
+    got = run_direct(case, indices=idx, scratch=scratch, splits=2)
+    case.indices = idx
+    check(case, got)
+    for r in range(10):
+        assert bool((scratch[r] != -7).any()) == (not verdicts[r]), (r, idx[r], verdicts[r], scratch[r])
+
 def mixed_order_case(seed, shuffled):
     """9 rows of 44 indices, sorted as ``select_tokens`` emits them except rows ``shuffled``."""
     case = make_attention_case(rows=9, num_reqs=3, num_q_heads=4, num_kv_heads=1, head_dim=16, width=44,
