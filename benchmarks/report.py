@@ -246,8 +246,20 @@ def md_table(columns, rows) -> str:
     return "\n".join(out)
 
 
+def target_value(value, goal) -> str:
+    """A target's value to 3 significant digits, or as many more (up to 6) as it takes not to print a
+    value that misses its goal as the goal itself (0.7995 against 0.8 prints 0.7995, not 0.8)."""
+    text = _fmt(value, ".3g")
+    if isinstance(value, float) and value != goal:
+        for digits in (4, 5, 6):
+            if text != format(goal, ".6g"):
+                break
+            text = _fmt(value, f".{digits}g")
+    return text
+
+
 def target_rows(report: dict) -> list:
-    return [(t["name"], _fmt(t["value"], ".3g"), f"{t['op']} {t['goal']:g} {t['unit']}",
+    return [(t["name"], target_value(t["value"], t["goal"]), f"{t['op']} {t['goal']:g} {t['unit']}",
              {True: "yes", False: "NO", None: "not measured"}[t["met"]], t.get("note") or "")
             for t in report["targets"]]
 

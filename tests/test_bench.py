@@ -468,3 +468,14 @@ def test_kept_entries_in_row_order_are_the_reference_sets():
                    if k), r
         dropped += sum(1 for t in set(row) if t >= 0 and t not in got)
     assert dropped > 0  # the case does drop valid-looking entries
+
+
+def test_target_values_that_miss_their_goal_never_print_as_it():
+    from benchmarks.report import target_value
+
+    assert target_value(0.7995239, 0.8) == "0.7995"
+    assert target_value(0.80402, 0.8) == "0.804"
+    assert target_value(1.4121, 1.5) == "1.41"
+    assert target_value(2.9999996, 3.0) == "3"  # differs from the goal only past 6 digits
+    assert target_value(None, 0.8) == "-"
+    assert target_value(0.8, 0.8) == "0.8"

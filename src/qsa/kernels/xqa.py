@@ -155,7 +155,7 @@ def _direct_row_list(
     # for every b after an a, b is dropped or 0 <= a < b, i.e. unsigned a < b. Two compares per entry
     # instead of the keep rule's six with its 64-bit position: on the H200 the check took ~0.5 us off
     # mtp-16 (18.5 -> 17.9 us), decode-16 and decode-64 (benchmarks/results/experiments/
-    # 2026-11-30-1113-direct-row-check-nvidia-h200.json).
+    # 2026-11-30-1006-direct-row-check-nvidia-h200.json).
     lim = tl.where(row_ok, tl.minimum(tl.minimum(pos + 1, max_blocks.to(tl.int64) * BLOCK_SIZE), INT32_MAX), 0)
     u_t = b_t.to(tl.uint32, bitcast=True)
     u_prev = tl.gather(u_t, tl.maximum(o_w - 1, 0), 0)
