@@ -206,6 +206,39 @@ def check_merge_and_planner_kernels():
                                     if p.name == "XCAP" or p.name.startswith("stride_")})
 
 
+ONE_ARGS = {  # integer arguments a launch may pass as 1
+    "xqa_direct_kernel": ("row_offset", "W", "num_reqs", "max_blocks", "num_blocks", "Hq"),
+    "single_row_plan_kernel": ("row_start", "W", "num_reqs", "max_blocks", "num_blocks"),
+    "single_row_sort_plan_kernel": ("num_programs", "W", "num_reqs", "max_blocks", "num_blocks"),
+}
+
+
+def check_arguments_of_one():
+    """Triton compiles an integer argument equal to 1 as the constant 1 (``native_specialize_impl``), so
+    a kernel must compile with any of them constant: a one-block table (``max_blocks`` 1), one request,
+    one row. (``max_blocks.to(...)`` compiles with the argument but not with the constant 1.)"""
+    direct = _attention_pointers("fp16", "fp16")
+    direct.update(idx_ptr="*i32", bt_ptr="*i32", req_ptr="*i32", pos_ptr="*i64", seq_lens_ptr="*i32",
+                  scratch_ptr="*i32")
+    ones = {name: 1 for name in ONE_ARGS["xqa_direct_kernel"]}
+    for split_n, prefetch in ((64, False), (0, True), (0, False)):
+        compile_sm90(xqa_direct_kernel, direct,
+                     dict(G=6, BLOCK_G=16, NUM_SPLITS=4, KV_FP8=False, SAME_KV_STRIDES=True, DOT_DTYPE=tl.float16,
+                          BLOCK_N=32, BLOCK_W=4096, PREFETCH=prefetch, SPLIT_N=split_n, **FLAGS, **ones),
+                     floats=("qk_scale", "v_scale"), num_warps=4, num_stages=3)
+    rows = {"idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32",
+            "ids_ptr": "*i32", "masks_ptr": "*u8", "counts_ptr": "*i32", "unsorted_ptr": "*i32",
+            "num_unsorted_ptr": "*i32", "keys_ptr": "*i32"}
+    ones = {name: 1 for name in ONE_ARGS["single_row_plan_kernel"]}
+    for chunk, tokens, steps in ((4096, True, False), (4096, False, False), (1024, False, True), (512, True, False)):
+        compile_sm90(single_row_plan_kernel, rows,
+                     dict(BLOCK_SIZE=16, CH=chunk, PAD=16, EMIT_TOKENS=tokens, ONE_CHUNK=chunk == 4096,
+                          ASCENDING_STEPS=steps, SORT_W=4096 if steps else 0, PDL=True, **ones))
+    ones = {name: 1 for name in ONE_ARGS["single_row_sort_plan_kernel"]}
+    compile_sm90(single_row_sort_plan_kernel, rows,
+                 dict(BLOCK_SIZE=16, BLOCK_W=4096, CH=512, PAD=16, EMIT_TOKENS=True, PDL=True, **ones), num_warps=16)
+
+
 def main() -> int:
     """Compile every kernel at its production settings; print resource usage; non-zero on failure."""
     for act, cache in (("fp16", "fp16"), ("bf16", "bf16"), ("fp16", "u8")):
@@ -216,6 +249,8 @@ def main() -> int:
             print(f"{route} {cache}: {check_single_row_kernel(route, cache)}")
     check_merge_and_planner_kernels()
     print("merge and planner kernels: compiled")
+    check_arguments_of_one()
+    print("arguments of 1: compiled")
     return 0
 
 
