@@ -26,23 +26,10 @@ def _row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs):
 
 
 @triton.jit
-def keep_limit(pos, seq_len, max_blocks, BLOCK_SIZE: tl.constexpr):
-    """SPEC section 4's checks that do not read the block table (0 <= t < seq_len, t <= pos, t's block
-    inside the table) as one bound: t is kept iff 0 <= t < limit, that is iff ``t < limit`` as unsigned
-    32-bit numbers (a negative t is 2**31 or more). ``seq_len`` INT32_MAX leaves the length out. The
-    grouped planner's bitmap pass applies the same interval as ``t <= limit - 1``."""
-    lim = tl.minimum(tl.minimum(pos + 1, seq_len), tl.cast(max_blocks, tl.int64) * BLOCK_SIZE)
-    return tl.minimum(tl.maximum(lim, 0), INT32_MAX).to(tl.uint32)
-
-
-@triton.jit
 def _logically_kept(b_t, pos, seq_len, max_blocks, BLOCK_SIZE: tl.constexpr):
-    """SPEC section 4 checks that do not need the block table (``keep_limit``): one compare per token.
-    On the H200 (plan + run, two alternations of processes, us): decode-256 xqa 157.5-157.9 -> 155.5-155.8
-    against four compares with a 64-bit position and a division; splitk mtp-8 22.7-22.9 -> 23.3-23.6,
-    the other splitk steps measured within 0.3 us
-    (benchmarks/results/experiments/2026-11-30-1049-keep-limit-nvidia-h200.json)."""
-    return b_t.to(tl.uint32, bitcast=True) < keep_limit(pos, seq_len, max_blocks, BLOCK_SIZE)
+    """SPEC section 4 checks that do not need the block table: 0 <= t < seq_len, t <= pos, t's block
+    inside the table."""
+    return (b_t >= 0) & (b_t < seq_len) & (b_t <= pos) & (b_t // BLOCK_SIZE < max_blocks)
 
 
 @triton.jit

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from .common import (attend_tile, attend_tokens, enter_launch, load_kv_tile, split_range,
                      store_result)
-from .plan import INT32_MAX, _row_setup, keep_limit
+from .plan import INT32_MAX, _row_setup
 
 
 @triton.jit
@@ -123,14 +123,7 @@ def _table_safe(b_t, pos, row_ok, max_blocks, BLOCK_SIZE: tl.constexpr):
     pos, t's block inside the table. Only ``t < seq_len`` is left, whose load waits on the request's: so
     the table entries of these tokens are loaded without waiting for it (they lie inside the table's row
     whatever they hold), and the tokens past ``seq_len`` are dropped before any K/V is read."""
-    return b_t.to(tl.uint32, bitcast=True) < _safe_limit(pos, row_ok, max_blocks, BLOCK_SIZE)
-
-
-@triton.jit
-def _safe_limit(pos, row_ok, max_blocks, BLOCK_SIZE: tl.constexpr):
-    """``_table_safe`` keeps exactly the tokens below this unsigned bound (``keep_limit`` without the
-    length; 0 for an invalid row)."""
-    return tl.where(row_ok, keep_limit(pos, INT32_MAX, max_blocks, BLOCK_SIZE), 0)
+    return row_ok & (b_t >= 0) & (b_t <= pos) & (b_t // BLOCK_SIZE < max_blocks)
 
 
 @triton.jit
@@ -157,14 +150,16 @@ def _direct_row_list(
     """
     o_w = tl.arange(0, BLOCK_W)
     b_t = tl.load(p_idx + o_w, mask=o_w < W, other=-1)
-    # ``_table_safe`` keeps exactly the tokens below an unsigned bound (``_safe_limit``). The row ascends
-    # iff each kept entry b follows a kept a < b: for every b after an a, b is dropped or 0 <= a < b,
-    # i.e. unsigned a < b. Two compares per entry instead of the keys' keep rule with its 64-bit
-    # position: on the H200 the check took ~0.5 us off mtp-16 (18.5 -> 17.9 us), decode-16 and
-    # decode-64 (benchmarks/results/experiments/2026-11-30-1006-direct-row-check-nvidia-h200.json).
+    # ``_table_safe`` keeps exactly the tokens 0 <= t < lim, that is unsigned t < lim (a negative t is
+    # 2**31 or more as an unsigned number). The row ascends iff each kept entry b follows a kept a < b:
+    # for every b after an a, b is dropped or 0 <= a < b, i.e. unsigned a < b. Two compares per entry
+    # instead of the keep rule's six with its 64-bit position: on the H200 the check took ~0.5 us off
+    # mtp-16 (18.5 -> 17.9 us), decode-16 and decode-64 (benchmarks/results/experiments/
+    # 2026-11-30-1006-direct-row-check-nvidia-h200.json).
+    lim = tl.where(row_ok, tl.minimum(tl.minimum(pos + 1, tl.cast(max_blocks, tl.int64) * BLOCK_SIZE), INT32_MAX), 0)
     u_t = b_t.to(tl.uint32, bitcast=True)
     u_prev = tl.gather(u_t, tl.maximum(o_w - 1, 0), 0)
-    m_ok = (o_w == 0) | (u_t >= _safe_limit(pos, row_ok, max_blocks, BLOCK_SIZE)) | (u_prev < u_t)
+    m_ok = (o_w == 0) | (u_t >= lim.to(tl.uint32)) | (u_prev < u_t)
     p_list = p_idx
     n_list = W
     ascending = tl.min(m_ok.to(tl.int32), 0) != 0
