@@ -402,6 +402,29 @@ def test_row_planner_default_steps(monkeypatch):
     assert pick(1) == (512, False)
 
 
+def test_ascending_rows_past_the_table():
+    """A table narrower than its requests' lengths and positions: on the neighbour-read path (one step,
+    several steps) tokens whose block lies past the table's end are dropped and their table entries
+    never read (read, they are the next request's pages, or past the table for the last request)."""
+    case = make_attention_case(rows=10, num_reqs=3, block_size=16, width=60, max_seq_len=150, padding_rows=0,
+                               seed=14)
+    case.seq_lens[:] = 150
+    case.positions[:] = 149
+    case.block_table = case.block_table[:, :4].contiguous()  # 64 tokens per request
+    idx = ascending_rows(case.indices)
+    idx[0] = torch.arange(30, 90)  # crosses the table's end at 64
+    idx[9] = torch.arange(60, 120)  # the last row, of the last request: past the end of the table itself
+    case.token_to_req[9] = 2
+    case.indices = idx
+    inputs = case.plan_inputs()
+    ref = reference_single_row_plan(**inputs)
+    assert ref.counts.sum() > 0
+    assert compare_plans(plan_single_rows(**inputs, chunk=64), ref) == []
+    for chunk in (16, 32):
+        plan = plan_single_rows(**inputs, chunk=chunk, ascending_steps=True, rows_sorted=True)
+        assert compare_plans(plan, ref) == [], chunk
+
+
 @pytest.mark.parametrize("emit_tokens", [False, True])
 def test_ascending_rows_in_one_step(emit_tokens):
     """Rows in ``select_tokens`` order planned in one step (microblock lists: the neighbour-read path;

@@ -107,11 +107,27 @@ def _finish_row(count, p_ids, p_masks, counts_ptr, i_r, PAD: tl.constexpr, EMIT_
 
 
 @triton.jit
+def _keep_limit(pos, seq_len, max_blocks, BLOCK_SIZE: tl.constexpr):
+    """``_logically_kept`` as one bound: a token ``t`` passes its checks iff 0 <= t < limit, that is iff
+    ``t < limit`` as unsigned 32-bit numbers (a negative ``t`` is 2**31 or more); ``t <= pos`` is
+    ``t < pos + 1``, and for ``t >= 0`` the block check is ``t < max_blocks * BLOCK_SIZE``."""
+    lim = tl.minimum(tl.minimum(pos + 1, seq_len), tl.cast(max_blocks, tl.int64) * BLOCK_SIZE)
+    return tl.minimum(tl.maximum(lim, 0), INT32_MAX).to(tl.uint32)
+
+
+@triton.jit
 def _logical_tokens(p_idx, o_w, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE: tl.constexpr):
     """(token at columns ``o_w``, whether it passes the checks not involving the block table);
-    columns outside ``[0, W)`` read as dropped."""
+    columns outside ``[0, W)`` read as dropped.
+
+    The microblock rows' scan-free steps call this five times per column, so the checks are one
+    unsigned compare (``_keep_limit``) rather than ``_logically_kept``'s four with a 64-bit position
+    and a division. On the H200 (plan + run, two alternations of processes) decode-256 xqa took
+    155.5-155.8 us against 157.5-157.9. The token lists' planner keeps ``_logically_kept``: with the
+    bound there as well, splitk mtp-8 took 23.3-23.6 us against 22.7-22.9
+    (benchmarks/results/experiments/2026-11-30-1049-keep-limit-nvidia-h200.json)."""
     b_t = tl.load(p_idx + o_w, mask=(o_w >= 0) & (o_w < W) & row_ok, other=-1)
-    return b_t, _logically_kept(b_t, pos, seq_len, max_blocks, BLOCK_SIZE)
+    return b_t, b_t.to(tl.uint32, bitcast=True) < _keep_limit(pos, seq_len, max_blocks, BLOCK_SIZE)
 
 
 @triton.jit
