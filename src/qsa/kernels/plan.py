@@ -122,10 +122,11 @@ def _logical_tokens(p_idx, o_w, W, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE:
 
     The microblock rows' scan-free steps call this five times per column, so the checks are one
     unsigned compare (``_keep_limit``) rather than ``_logically_kept``'s four with a 64-bit position
-    and a division. On the H200 (plan + run, two alternations of processes) decode-256 xqa took
-    155.5-155.8 us against 157.5-157.9. The token lists' planner keeps ``_logically_kept``: with the
-    bound there as well, splitk mtp-8 took 23.3-23.6 us against 22.7-22.9
-    (benchmarks/results/experiments/2026-11-30-1049-keep-limit-nvidia-h200.json)."""
+    and a division. On the H200 (plan + run, two alternations of processes, bitwise equal) decode-256 xqa
+    took 155.2-155.5 us against 157.8-157.9
+    (benchmarks/results/experiments/2026-11-30-1148-keep-limit-microblock-rows-nvidia-h200.json). The
+    token lists' planner keeps ``_logically_kept``: with the bound there as well, splitk mtp-8 took
+    23.3-23.6 us against 22.7-22.9 (``...-1049-keep-limit-...``)."""
     b_t = tl.load(p_idx + o_w, mask=(o_w >= 0) & (o_w < W) & row_ok, other=-1)
     return b_t, b_t.to(tl.uint32, bitcast=True) < _keep_limit(pos, seq_len, max_blocks, BLOCK_SIZE)
 
