@@ -204,6 +204,33 @@ def test_adversarial_indices_and_tables_are_never_read(kv_cache_dtype):
         check_route(case, route)
 
 
+@pytest.mark.parametrize("route", ["grouped", "xqa", "xqa-direct", "splitk"])
+@pytest.mark.parametrize("order", ["ascending", "shuffled"])
+def test_a_table_narrower_than_the_lengths(route, order):
+    """Lengths and positions past the table's end: tokens whose block lies past it are dropped, whatever
+    the route and the planner path (ascending rows take the scan-free and direct paths, shuffled ones the
+    sorts). The table is a column slice of the case's own, whose further columns map those tokens to
+    real, finite pages: a kernel that reads past the end of a row of the table attends them."""
+    case = make_attention_case(rows=12, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=16,
+                               width=40, max_seq_len=150, padding_rows=0, messy=False, seed=1)
+    lens = case.seq_lens.long()[case.token_to_req.long()]
+    case.positions = lens - 1 - torch.arange(12) % 3
+    g = torch.Generator().manual_seed(16)
+    rows = [torch.randperm(int(n), generator=g)[:40].sort().values for n in lens]
+    case.indices = torch.stack([torch.cat([r, torch.full((40 - len(r),), -1)]) for r in rows]).to(torch.int32)
+    assert bool(((case.indices >= 48) & (case.indices.long() <= case.positions[:, None])).any(1).all())
+    case.block_table = case.block_table[:, :3]  # 48 tokens; lengths 90 and 146
+    assert case.block_table.stride(0) > 3
+    if order == "shuffled":
+        case = case.with_permuted_indices(torch.Generator().manual_seed(17))
+    kw = dict(route="xqa", rows_sorted=True) if route == "xqa-direct" else dict(route=route)
+    out = torch.full_like(case.q, float("nan"))
+    got, lse = case.run(qsa.sparse_paged_attention, out=out, return_lse=True, **kw)
+    ref, ref_lse = case.run(reference_attention, compute_dtype=torch.float64)
+    low, low_lse = case.run(reference_attention, compute_dtype=case.q.dtype)
+    assert_close_like_torch(got, ref, low, lse=lse, ref_lse=ref_lse, torch_lse=low_lse, name=route)
+
+
 def test_out_and_gate_views():
     """gate as the second half of a packed [rows, Hq, 2D] projection; out= written in place."""
     case = make_attention_case(rows=9, num_reqs=2, num_q_heads=4, num_kv_heads=2, head_dim=16, width=12,
