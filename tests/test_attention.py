@@ -231,6 +231,33 @@ def test_a_table_narrower_than_the_lengths(route, order):
     assert_close_like_torch(got, ref, low, lse=lse, ref_lse=ref_lse, torch_lse=low_lse, name=route)
 
 
+@pytest.mark.parametrize("route", ["grouped", "xqa", "xqa-direct", "splitk"])
+@pytest.mark.parametrize("order", ["ascending", "shuffled"])
+def test_positions_past_the_lengths(route, order):
+    """Rows whose position is past their request's length, selecting tokens in between: only
+    ``t < seq_len`` drops those, on every route and planner path. Their table entries are valid pages
+    whose slots were never written (NaN), so a kernel that keeps them gives NaN."""
+    case = make_attention_case(rows=12, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=16,
+                               width=40, max_seq_len=150, padding_rows=0, messy=False, seed=1)
+    lens = case.seq_lens.long()[case.token_to_req.long()]
+    case.positions = lens + 8 + torch.arange(12) % 5
+    spare = max(set(range(case.cache.num_blocks)) - set(case.block_table.flatten().tolist()))  # never written
+    case.block_table[case.block_table < 0] = spare
+    g = torch.Generator().manual_seed(18)
+    rows = [torch.randperm(int(p) + 1, generator=g)[:40].sort().values for p in case.positions]
+    case.indices = torch.stack(rows).to(torch.int32)
+    past = (case.indices.long() >= lens[:, None]) & (case.indices.long() <= case.positions[:, None])
+    assert bool(past.any(1).all()) and bool((~past).any(1).all())
+    if order == "shuffled":
+        case = case.with_permuted_indices(torch.Generator().manual_seed(19))
+    kw = dict(route="xqa", rows_sorted=True) if route == "xqa-direct" else dict(route=route)
+    out = torch.full_like(case.q, float("nan"))
+    got, lse = case.run(qsa.sparse_paged_attention, out=out, return_lse=True, **kw)
+    ref, ref_lse = case.run(reference_attention, compute_dtype=torch.float64)
+    low, low_lse = case.run(reference_attention, compute_dtype=case.q.dtype)
+    assert_close_like_torch(got, ref, low, lse=lse, ref_lse=ref_lse, torch_lse=low_lse, name=route)
+
+
 def test_out_and_gate_views():
     """gate as the second half of a packed [rows, Hq, 2D] projection; out= written in place."""
     case = make_attention_case(rows=9, num_reqs=2, num_q_heads=4, num_kv_heads=2, head_dim=16, width=12,
