@@ -479,3 +479,44 @@ def test_target_values_that_miss_their_goal_never_print_as_it():
     assert target_value(2.9999996, 3.0) == "3"  # differs from the goal only past 6 digits
     assert target_value(None, 0.8) == "-"
     assert target_value(0.8, 0.8) == "0.8"
+
+
+def test_ab_alternates_versions_and_compares_bits(tmp_path, monkeypatch):
+    """benchmarks.ab under the interpreter: a process per version (two copies of one source), each pair
+    checked against the reference and timed, and each process importing the version it was given. Equal
+    outputs compare equal; an output one bit apart does not; NaNs of the same bits do."""
+    import shutil
+
+    from benchmarks import ab
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    old = tmp_path / "old" / "src"
+    shutil.copytree(os.path.join(ab.ROOT, "src"), old, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+    assert ab.main(["--old-src", str(old), "--pairs", "tiny-decode:xqa,tiny-decode:splitk", "--alternations", "1",
+                    "--rounds", "1", "--out", str(tmp_path / "out")]) == 0
+    rep = json.load(open(tmp_path / "out" / "ab.json"))
+    assert [r["pair"] for r in rep["rows"]] == ["tiny-decode:xqa", "tiny-decode:splitk"]
+    assert [r["bitwise_equal"] for r in rep["rows"]] == [True, True]
+    assert [r["tag"] for r in rep["runs"]] == ["old", "new"]
+    assert rep["runs"][0]["qsa"] == str(old / "qsa")
+    assert rep["runs"][1]["qsa"] == os.path.join(ab.ROOT, "src", "qsa")
+    for r in rep["rows"]:
+        for tag in ("old", "new"):
+            assert r[tag]["median_us"] > 0 and r[tag]["rel_l2_err"] < 1e-2, r
+    assert "tiny-decode:xqa" in open(tmp_path / "out" / "ab.md").read()
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    x = torch.randn(3, 2, 4).to(torch.float16)
+    x[1, 1, 1] = float("nan")
+    torch.save(x, a / "s.r.pt")
+    torch.save(x.clone(), b / "s.r.pt")
+    assert ab.bitwise_equal(str(a), str(b), [("s", "r")]) == {"s:r": True}
+    y = x.clone()
+    y.view(torch.int16)[0, 0, 0] ^= 1
+    torch.save(y, b / "s.r.pt")
+    assert ab.bitwise_equal(str(a), str(b), [("s", "r")]) == {"s:r": False}
+    for bad in ("tiny-decode", "tiny-decode:", "nope:xqa", "tiny-selection:select"):
+        with pytest.raises(ValueError):
+            ab.parse_pairs(bad)
