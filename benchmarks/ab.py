@@ -11,7 +11,8 @@ are bitwise equal. Results go to ``--out`` as ``ab.json`` and ``ab.md``.
 
 ``--old-rev`` extracts ``src/`` of a commit with ``git archive``; where the repository is not at hand (a
 copy of the working tree without ``.git``), extract it beforehand and pass ``--old-src``. ``--new-src``
-defaults to this checkout's ``src/``.
+defaults to this checkout's ``src/``. Both versions run this checkout's ``benchmarks`` (scenarios, timing,
+reference): only the library changes.
 """
 
 from __future__ import annotations
