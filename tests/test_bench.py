@@ -520,3 +520,18 @@ def test_ab_alternates_versions_and_compares_bits(tmp_path, monkeypatch):
     for bad in ("tiny-decode", "tiny-decode:", "nope:xqa", "tiny-selection:select"):
         with pytest.raises(ValueError):
             ab.parse_pairs(bad)
+
+
+def test_ab_extracts_a_commits_source(tmp_path):
+    """``--old-rev``: the commit's ``src/`` through ``git archive`` (needs the repository)."""
+    import subprocess
+
+    from benchmarks import ab
+
+    if subprocess.run(["git", "-C", ab.ROOT, "rev-parse", "HEAD"], capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    src = ab.extract("HEAD", str(tmp_path))
+    assert os.path.isfile(os.path.join(src, "qsa", "__init__.py"))
+    assert os.path.isfile(os.path.join(src, "qsa", "kernels", "xqa.py"))
+    with pytest.raises(subprocess.CalledProcessError):
+        ab.extract("no-such-revision", str(tmp_path / "x"))
