@@ -10,10 +10,11 @@ from qsa.reference import assert_close_like_torch, make_attention_case, referenc
 ROUTES = ("grouped", "xqa", "splitk")
 
 
-def check_route(case, route, **kwargs):
+def check_route(case, route, *, rows_sorted=False, **kwargs):
     """Run ``route`` into NaN-poisoned buffers and compare out and lse with the references."""
     out = torch.full_like(case.q, float("nan"))
-    got, lse = case.run(qsa.sparse_paged_attention, route=route, out=out, return_lse=True, **kwargs)
+    got, lse = case.run(qsa.sparse_paged_attention, route=route, out=out, return_lse=True,
+                        rows_sorted=rows_sorted, **kwargs)
     assert got.data_ptr() == out.data_ptr()
     ref, ref_lse = case.run(reference_attention, compute_dtype=torch.float64, **kwargs)
     low, low_lse = case.run(reference_attention, compute_dtype=case.q.dtype, **kwargs)
@@ -204,6 +205,23 @@ def test_adversarial_indices_and_tables_are_never_read(kv_cache_dtype):
         check_route(case, route)
 
 
+def _two_requests_of_12_rows():
+    """Lengths 90 and 146, rows of both requests, no padding rows: the bound tests rewrite its rows."""
+    return make_attention_case(rows=12, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=16,
+                               width=40, max_seq_len=150, padding_rows=0, messy=False, seed=1)
+
+
+def _check_on_every_path(case, route, order, seed):
+    """``route`` ("xqa-direct": xqa with ``rows_sorted``) on the rows as built (ascending: the scan-free
+    planner steps and the direct kernel's fast path) or shuffled (the sorts)."""
+    if order == "shuffled":
+        case = case.with_permuted_indices(torch.Generator().manual_seed(seed))
+    if route == "xqa-direct":
+        check_route(case, "xqa", rows_sorted=True)
+    else:
+        check_route(case, route)
+
+
 @pytest.mark.parametrize("route", ["grouped", "xqa", "xqa-direct", "splitk"])
 @pytest.mark.parametrize("order", ["ascending", "shuffled"])
 def test_a_table_narrower_than_the_lengths(route, order):
@@ -211,8 +229,7 @@ def test_a_table_narrower_than_the_lengths(route, order):
     the route and the planner path (ascending rows take the scan-free and direct paths, shuffled ones the
     sorts). The table is a column slice of the case's own, whose further columns map those tokens to
     real, finite pages: a kernel that reads past the end of a row of the table attends them."""
-    case = make_attention_case(rows=12, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=16,
-                               width=40, max_seq_len=150, padding_rows=0, messy=False, seed=1)
+    case = _two_requests_of_12_rows()
     lens = case.seq_lens.long()[case.token_to_req.long()]
     case.positions = lens - 1 - torch.arange(12) % 3
     g = torch.Generator().manual_seed(16)
@@ -221,14 +238,7 @@ def test_a_table_narrower_than_the_lengths(route, order):
     assert bool(((case.indices >= 48) & (case.indices.long() <= case.positions[:, None])).any(1).all())
     case.block_table = case.block_table[:, :3]  # 48 tokens; lengths 90 and 146
     assert case.block_table.stride(0) > 3
-    if order == "shuffled":
-        case = case.with_permuted_indices(torch.Generator().manual_seed(17))
-    kw = dict(route="xqa", rows_sorted=True) if route == "xqa-direct" else dict(route=route)
-    out = torch.full_like(case.q, float("nan"))
-    got, lse = case.run(qsa.sparse_paged_attention, out=out, return_lse=True, **kw)
-    ref, ref_lse = case.run(reference_attention, compute_dtype=torch.float64)
-    low, low_lse = case.run(reference_attention, compute_dtype=case.q.dtype)
-    assert_close_like_torch(got, ref, low, lse=lse, ref_lse=ref_lse, torch_lse=low_lse, name=route)
+    _check_on_every_path(case, route, order, seed=17)
 
 
 @pytest.mark.parametrize("route", ["grouped", "xqa", "xqa-direct", "splitk"])
@@ -237,8 +247,7 @@ def test_positions_past_the_lengths(route, order):
     """Rows whose position is past their request's length, selecting tokens in between: only
     ``t < seq_len`` drops those, on every route and planner path. Their table entries are valid pages
     whose slots were never written (NaN), so a kernel that keeps them gives NaN."""
-    case = make_attention_case(rows=12, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=16,
-                               width=40, max_seq_len=150, padding_rows=0, messy=False, seed=1)
+    case = _two_requests_of_12_rows()
     lens = case.seq_lens.long()[case.token_to_req.long()]
     case.positions = lens + 8 + torch.arange(12) % 5
     spare = max(set(range(case.cache.num_blocks)) - set(case.block_table.flatten().tolist()))  # never written
@@ -248,14 +257,7 @@ def test_positions_past_the_lengths(route, order):
     case.indices = torch.stack(rows).to(torch.int32)
     past = (case.indices.long() >= lens[:, None]) & (case.indices.long() <= case.positions[:, None])
     assert bool(past.any(1).all()) and bool((~past).any(1).all())
-    if order == "shuffled":
-        case = case.with_permuted_indices(torch.Generator().manual_seed(19))
-    kw = dict(route="xqa", rows_sorted=True) if route == "xqa-direct" else dict(route=route)
-    out = torch.full_like(case.q, float("nan"))
-    got, lse = case.run(qsa.sparse_paged_attention, out=out, return_lse=True, **kw)
-    ref, ref_lse = case.run(reference_attention, compute_dtype=torch.float64)
-    low, low_lse = case.run(reference_attention, compute_dtype=case.q.dtype)
-    assert_close_like_torch(got, ref, low, lse=lse, ref_lse=ref_lse, torch_lse=low_lse, name=route)
+    _check_on_every_path(case, route, order, seed=19)
 
 
 def test_out_and_gate_views():
