@@ -1,5 +1,5 @@
-"""Floors under the decode and MTP targets, measured: how fast the bytes of a step can be read and how
-much a step of one or two launches costs, timed as ``qsa bench`` times a step (medians of CUDA-graph
+"""Floors under the decode, MTP and prefill targets, measured: how fast the bytes of a step can be read
+and how much a step of one or two launches costs, timed as ``qsa bench`` times a step (medians of CUDA-graph
 replays with the L2 flushed before each one).
 
 For each named scenario, in one process:
@@ -19,7 +19,17 @@ For each named scenario, in one process:
 * the ``xqa`` and ``splitk`` routes, plan + run as the benchmark times them, and the target's time:
   80% of the copy bandwidth on the route's bytes (decode), splitk / 1.5 (MTP).
 
+Prefill scenarios (more than 16 rows per request) measure the grouped step instead: the step, the
+planner alone and the attention kernel alone (the plan made once), splitk and the target (splitk / 5 at
+overlap 0.98, / 3 otherwise), and ``grouped`` probes that walk the grouped plan as the attention kernel
+does (one program per group and KV head, tiles of ``MB`` microblocks, loads masked to the tokens some
+row of the group keeps): ``products`` feeds the tiles to the kernel's two products (64 rows, wgmma) with
+all-ones operands, which is the kernel without its softmax; ``small`` does the same with 16-row products
+(mma.sync). Each setting is first checked per program, exactly, on a cache of small integers with NaN in
+every slot the plan does not load (:class:`GroupedProbe`).
+
     python -m benchmarks.floors decode-64 mtp-8 mtp-16 --out /tmp/floors
+    python -m benchmarks.floors prefill-64k-o80 prefill-64k-o98 --out /tmp/floors
 """
 
 from __future__ import annotations
@@ -36,7 +46,7 @@ import triton
 import triton.language as tl
 
 from qsa import routes
-from qsa.kernels.common import split_range
+from qsa.kernels.common import load_kv_microblocks, split_range
 
 from .breakdown import step_fn
 from .generators import attention_workload, kept_entries
@@ -119,6 +129,60 @@ def gather_sum_kernel(
     b_total = tl.sum(tl.where(tl.arange(0, 16)[:, None] == 0, b_sk, 0.0), 1)
     b_total += tl.sum(tl.where(tl.arange(0, 16)[:, None] == 0, b_sv, 0.0), 1)
     tl.store(out_ptr + i_list * NUM_SPLITS + i_split + tl.arange(0, 16), b_total, mask=tl.arange(0, 16) == 0)
+
+
+@triton.jit
+def grouped_sum_kernel(
+    ids_ptr,  # [groups, cap] int32 physical microblock ids (the grouped plan)
+    masks_ptr,  # [groups, cap] int32 bit 4q + t % 4
+    counts_ptr,  # [groups] int32
+    k_ptr,
+    v_ptr,
+    out_ptr,  # [groups, Hkv] fp32: each program's sum of what it read
+    num_kv_heads,
+    stride_plan,
+    stride_block,
+    stride_tok,
+    stride_head,
+    BLOCK_M: tl.constexpr,  # rows of the all-ones operands: 64 = the grouped kernel's products
+    MB: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,  # the cache read as its uint8 codes, converted as the attention kernels do
+):
+    """One program per (plan group, KV head) walks the group's plan exactly as the grouped attention
+    kernel does (its tiles of ``MB`` microblocks, offsets and load masks per microblock, every token that
+    any row of the group keeps) and sums the K and V tiles through the kernel's two products with
+    all-ones operands, ``1 @ K^T`` and ``1 @ V``: the kernel without its softmax (masks, max, exponentials,
+    rescale). ``BLOCK_M`` 16 keeps the loads and shrinks the products."""
+    i_g = tl.program_id(0)
+    i_kvh = tl.program_id(1).to(tl.int64)
+    BLOCK_N: tl.constexpr = 4 * MB
+    MB_PER_BLOCK: tl.constexpr = BLOCK_SIZE // 4
+    o_d = tl.arange(0, HEAD_DIM)
+    o_j = tl.arange(0, MB)
+    b_one_q = tl.full([BLOCK_M, HEAD_DIM], 1.0, tl.float16)
+    b_one_p = tl.full([BLOCK_M, BLOCK_N], 1.0, tl.float16)
+    count = tl.load(counts_ptr + i_g)
+    p_ids = ids_ptr + i_g.to(tl.int64) * stride_plan
+    p_masks = masks_ptr + i_g.to(tl.int64) * stride_plan
+    b_sk = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    b_sv = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for i_t in range(0, tl.maximum(tl.cdiv(count, MB), 1)):
+        o_e = i_t * MB + o_j
+        b_id = tl.load(p_ids + o_e, mask=o_e < count, other=0)
+        b_gm = tl.load(p_masks + o_e, mask=o_e < count, other=0)
+        o_mb = (b_id // MB_PER_BLOCK).to(tl.int64) * stride_block + (b_id % MB_PER_BLOCK) * 4 * stride_tok \
+            + i_kvh * stride_head
+        m_used = ((b_gm[:, None] >> tl.arange(0, 4)[None, :]) & 0x11111111) != 0
+        b_k = load_kv_microblocks(k_ptr, o_mb, stride_tok, o_d, m_used, KV_FP8, tl.float16)
+        b_v = load_kv_microblocks(v_ptr, o_mb, stride_tok, o_d, m_used, KV_FP8, tl.float16)
+        b_sk = tl.dot(b_one_q, tl.trans(b_k), b_sk)
+        b_sv = tl.dot(b_one_p, b_v, b_sv)
+    b_total = tl.sum(tl.where(tl.arange(0, BLOCK_M)[:, None] == 0, b_sk, 0.0), 1)
+    b_total += tl.sum(tl.where(tl.arange(0, BLOCK_M)[:, None] == 0, b_sv, 0.0), 1)
+    o_out = i_g * num_kv_heads + i_kvh + tl.arange(0, BLOCK_M)
+    tl.store(out_ptr + o_out, b_total, mask=tl.arange(0, BLOCK_M) == 0)
 
 
 def flat_offsets(w, kept: torch.Tensor, phys: torch.Tensor) -> torch.Tensor:
@@ -231,6 +295,103 @@ class Probe:
         return out.index_add_(1, split_of, per_entry)
 
 
+class GroupedProbe:
+    """The grouped probe of one prefill workload: its grouped plan, made once by the planner the route
+    uses, walked by :func:`grouped_sum_kernel`.
+
+    Sums of a whole group's K/V in fp32 are not exact (the tensor cores' accumulation loses low bits of
+    a large running sum), so each setting is checked on a cache of the same geometry that holds small
+    integers in the slots the plan loads and NaN in every other slot: there every partial sum is exact,
+    and a read of any other slot makes the sum NaN. The timed launch reads the workload's own cache."""
+
+    CHECK_VALUES = 3  # the check cache's slots hold integers in [-3, 3]
+
+    def __init__(self, w, scn):
+        from qsa import plan_attention
+
+        self.w, self.scn = w, scn
+        c = w.cache
+        self.plan_kw = dict(block_size=c.block_size, num_blocks=c.num_blocks, num_q_heads=scn.num_q_heads,
+                            num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route="grouped",
+                            rows_sorted=True, max_query_len=scn.rows // scn.num_reqs)
+        self.plan_in = (w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens)
+        self.plan = plan_attention(*self.plan_in, **self.plan_kw)
+        self.grouped = self.plan.grouped
+        if self.grouped is None:
+            raise ValueError(f"{scn.name}: the grouped route plans no row of this workload")
+        self.k, self.v = c.k, c.v
+        self.kv_fp8 = c.kv_cache_dtype == "fp8_e4m3"
+        if self.kv_fp8:
+            self.k, self.v = c.k.view(torch.uint8), c.v.view(torch.uint8)
+        self._check = None
+
+    def _slots(self):
+        """``(block, slot, used)``: each plan entry's 4 token slots ``[groups, cap, 4]`` and whether some row
+        of its group keeps the token (entries past a group's count: never)."""
+        g, bs = self.grouped, self.w.cache.block_size
+        ids = g.mb_ids.long()
+        live = torch.arange(ids.shape[1], device=ids.device)[None, :] < g.counts[:, None].long()
+        ids = torch.where(live, ids, 0)
+        four = torch.arange(4, device=ids.device)
+        slot = (ids % (bs // 4) * 4)[:, :, None] + four
+        block = (ids // (bs // 4))[:, :, None].expand_as(slot)
+        used = (((g.masks[:, :, None] >> four) & 0x11111111) != 0) & live[:, :, None]
+        return block, slot, used
+
+    def union_tokens(self) -> int:
+        """Tokens the groups' plans load (each once per group): the probe's bytes / (KV bytes per token)."""
+        return int(self._slots()[2].sum())
+
+    def fn(self, block_m: int, mb: int, num_warps: int, stages: int, k=None, v=None):
+        g = self.grouped
+        hkv = self.scn.num_kv_heads
+        k = self.k if k is None else k
+        v = self.v if v is None else v
+        if k.stride() != v.stride():
+            raise ValueError(f"K and V caches must share their strides, got {k.stride()} and {v.stride()}")
+        out = torch.empty(g.num_groups, hkv, dtype=torch.float32, device=k.device)
+
+        def fn():
+            grouped_sum_kernel[(g.num_groups, hkv)](
+                g.mb_ids, g.masks, g.counts, k, v, out, hkv, g.mb_ids.stride(0), k.stride(0),
+                k.stride(1), k.stride(2), BLOCK_M=block_m, MB=mb, HEAD_DIM=self.scn.head_dim,
+                BLOCK_SIZE=self.w.cache.block_size, KV_FP8=self.kv_fp8, num_warps=num_warps, num_stages=stages)
+
+        return fn, out
+
+    def check_cache(self):
+        """``(k, v, expected)``: the check cache (the workload cache's shape and dtype; integers in the
+        slots the plan loads, NaN elsewhere) and ``[groups, Hkv]`` fp64, the sum over each group's plan
+        of K and V, computed from that cache by (block, slot, head)."""
+        if self._check is None:
+            block, slot, used = self._slots()
+            kv = []
+            gen = torch.Generator(device=self.k.device).manual_seed(7)
+            for x in (self.k, self.v):
+                vals = torch.full(x.shape, float("nan"), dtype=torch.float32, device=x.device)
+                fill = torch.randint(-self.CHECK_VALUES, self.CHECK_VALUES + 1, x.shape, generator=gen,
+                                     device=x.device).float()
+                vals[block[used], slot[used]] = fill[block[used], slot[used]]
+                kv.append(vals.to(torch.float8_e4m3fn).view(torch.uint8) if self.kv_fp8 else vals.to(x.dtype))
+            sums = [torch.nan_to_num((x.view(torch.float8_e4m3fn) if self.kv_fp8 else x).double()).sum(-1)
+                    for x in kv]  # [blocks, block_size, Hkv]; the NaN slots are never used
+            per_tok = sums[0] + sums[1]
+            want = torch.where(used[..., None], per_tok[block, slot], 0.0).sum((1, 2))
+            self._check = (kv[0], kv[1], want)
+        return self._check
+
+    def checked(self, block_m: int, mb: int, num_warps: int, stages: int):
+        """(the probe's launch on the workload's cache, whether the same setting summed exactly what it
+        must on the check cache: its output is first poisoned with NaN, then compared per program with
+        the expected sums)."""
+        k, v, want = self.check_cache()
+        fn, out = self.fn(block_m, mb, num_warps, stages, k, v)
+        out.fill_(float("nan"))
+        fn()
+        ok = bool(torch.equal(out.double(), want))
+        return self.fn(block_m, mb, num_warps, stages)[0], ok
+
+
 def launch_fns(device):
     x = torch.zeros(1, dtype=torch.int32, device=device)
 
@@ -299,17 +460,85 @@ def run_scenario(scn, timer: Timer, ceilings: dict, *, quick: bool, split_factor
     return rec
 
 
+GROUPED_TARGETS = {0.98: 5.0}
+"""splitk / grouped that each prefill overlap's target asks for (3 at the other overlaps)."""
+
+
+def grouped_probe_grid(quick: bool):
+    """(block_m, mb, num_warps, stages) of the grouped probe: the attention kernel's products and tiles
+    first (``routes.grouped_config`` for 6/1: 64 rows, 8 microblocks, 4 warps, 3 stages)."""
+    if quick:
+        return [(64, 8, 4, 3), (16, 8, 4, 3)]
+    return [(64, 8, 4, 3), (64, 8, 4, 2), (64, 4, 4, 3), (64, 16, 4, 2), (16, 8, 4, 3), (16, 8, 4, 4)]
+
+
+def run_grouped_scenario(scn, timer: Timer, ceilings: dict, *, quick: bool) -> dict:
+    """Floors of a prefill scenario's grouped step: the planner alone, the attention kernel alone (plan
+    made once), the step, and the grouped probes (the kernel's loads and products without its softmax)."""
+    from qsa import plan_attention, run_attention
+    from qsa.plan import PlanWorkspace
+
+    dev = timer.device
+    w = attention_workload(scn, dev)
+    probe = GroupedProbe(w, scn)
+    kv_per_token, _ = step_bytes(scn)
+    union_bytes = probe.union_tokens() * kv_per_token
+    rec = dict(scenario=scn.name, rows=scn.rows, grouped_rows=probe.plan.routes.grouped_rows,
+               union_bytes=union_bytes, probes=[])
+    for route in ("grouped", "splitk"):
+        fn = step_fn(scn, w, route)
+        fn()
+        rec[f"{route}_ms"] = timer.time(fn).median_ms
+    ratio = GROUPED_TARGETS.get(scn.overlap, 3.0)
+    rec["target_ms"] = rec["splitk_ms"] / ratio
+    rec["target"] = f"splitk / {ratio:g}"
+
+    plan = probe.plan
+    ws = PlanWorkspace.for_plan(w.block_table, block_size=w.cache.block_size, num_groups=plan.grouped.num_groups)
+    out = torch.empty_like(w.q)
+
+    def planner():
+        plan_attention(*probe.plan_in, **probe.plan_kw, out=plan, workspace=ws)
+
+    def attention():
+        run_attention(plan, w.q, w.cache.k, w.cache.v, out=out, **w.cache_kwargs)
+
+    for name, f in (("planner", planner), ("attention", attention)):
+        f()
+        rec[f"{name}_ms"] = timer.time(f).median_ms
+
+    for block_m, mb, nw, st in grouped_probe_grid(quick):
+        fn, ok = probe.checked(block_m, mb, nw, st)
+        t = timer.time(fn).median_ms if ok else None
+        rec["probes"].append(dict(variant="products" if block_m >= 64 else "small", block_m=block_m, mb=mb,
+                                  num_warps=nw, stages=st, ok=ok, median_ms=t,
+                                  gbps=None if t is None else union_bytes / (t * 1e-3) / 1e9))
+    done = [p for p in rec["probes"] if p["ok"]]
+    for variant in ("products", "small"):
+        rec[f"best_{variant}"] = min((p for p in done if p["variant"] == variant), key=lambda p: p["median_ms"],
+                                     default=None)
+    return rec  # the workload's memory goes with this frame (main empties the cache)
+
+
+def is_prefill(scn) -> bool:
+    """More rows per request than an MTP step has: the grouped route's workloads."""
+    return scn.rows // scn.num_reqs > 16
+
+
 def markdown(report: dict) -> str:
     lines = [f"Floors on {report['device']}, {report['date']} (copy {report['ceilings']['copy_gbps']:.0f} GB/s); "
-             f"us, medians of graph replays with the L2 flushed ({report.get('flush', 'write')}).", "",
-             "| scenario | target | xqa | splitk | 1 launch | 2 launches | best gather (flat) | best gather "
-             "(table) | contiguous | flat GB/s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             f"us, medians of graph replays with the L2 flushed ({report.get('flush', 'write')}).", ""]
 
     def us(x):
         return "-" if x is None else f"{x * 1e3:.1f}"
 
-    for r in report["scenarios"]:
+    single = [r for r in report["scenarios"] if "xqa_ms" in r]
+    grouped = [r for r in report["scenarios"] if "grouped_ms" in r]
+    if single:
+        lines += ["| scenario | target | xqa | splitk | 1 launch | 2 launches | best gather (flat) | best gather "
+                  "(table) | contiguous | flat GB/s |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in single:
         bf, bt, bc = (r.get(f"best_{v}") for v in ("flat", "table", "contiguous"))
 
         def cell(p):
@@ -321,6 +550,26 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['scenario']} | {us(r['target_ms'])} | {us(r['xqa_ms'])} | {us(r['splitk_ms'])} | "
                      f"{us(r['launch_1_ms'])} | {us(r['launch_2_ms'])} | {cell(bf)} | {cell(bt)} | {cell(bc)} | "
                      f"{gbps} |")
+    if single and grouped:
+        lines.append("")
+    if grouped:
+        lines += ["Grouped step (prefill): `products` walks the plan with the attention kernel's loads and its two "
+                  "products on all-ones operands (no softmax); `small` the same with 16-row products.", "",
+                  "| scenario | target | grouped step | planner | attention | splitk | best products | best small "
+                  "| union GB/s (products) |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in grouped:
+        bp, bl = r.get("best_products"), r.get("best_small")
+
+        def cell(p):
+            if p is None:
+                return "-"
+            return f"{us(p['median_ms'])} ({p['block_m']} rows, {p['mb']} mb/{p['num_warps']}w/{p['stages']}st)"
+
+        gbps = "-" if bp is None else f"{bp['gbps']:.0f}"
+        lines.append(f"| {r['scenario']} | {us(r['target_ms'])} ({r['target']}) | {us(r['grouped_ms'])} | "
+                     f"{us(r['planner_ms'])} | {us(r['attention_ms'])} | {us(r['splitk_ms'])} | {cell(bp)} | "
+                     f"{cell(bl)} | {gbps} |")
     return "\n".join(lines) + "\n"
 
 
@@ -345,7 +594,10 @@ def main(argv=None) -> int:
     report = dict(device=name, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), ceilings=ceilings,
                   flush=args.flush, scenarios=[])
     for n in args.scenarios:
-        report["scenarios"].append(run_scenario(by_name[n], timer, ceilings, quick=args.quick))
+        run = run_grouped_scenario if is_prefill(by_name[n]) else run_scenario
+        report["scenarios"].append(run(by_name[n], timer, ceilings, quick=args.quick))
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
         print(f"{n}: done", file=sys.stderr, flush=True)
     text = markdown(report)
     print(text)

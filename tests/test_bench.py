@@ -401,6 +401,65 @@ def test_floors_probe_sums_exactly_the_entries_xqa_reads(device):
         assert probe.checked("table", 2, 16, 4, 2)[1]
 
 
+def _group_union_sums(w, k, v, group_rows: int) -> torch.Tensor:
+    """``[groups, Hkv]`` fp64: K + V (caches of ``w``'s geometry) summed over the union of the tokens each
+    group's rows keep, from the reference keep rule (``kept_tokens``), not from a plan."""
+    from benchmarks.generators import kept_tokens
+
+    c = w.cache
+    tokens, phys, keep = kept_tokens(w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens,
+                                     block_size=c.block_size, num_blocks=c.num_blocks)
+    if c.kv_cache_dtype == "fp8_e4m3":  # the E4M3 values of the cache's bytes
+        k, v = k.view(torch.float8_e4m3fn), v.view(torch.float8_e4m3fn)
+    per_tok = k.double().sum(-1) + v.double().sum(-1)
+    groups = -(-tokens.shape[0] // group_rows)
+    out = torch.zeros(groups, per_tok.shape[-1], dtype=torch.float64)
+    for g in range(groups):
+        rows = slice(g * group_rows, (g + 1) * group_rows)
+        pairs = {(int(b), int(t) % c.block_size) for b, t in zip(phys[rows][keep[rows]], tokens[rows][keep[rows]])}
+        for b, slot in pairs:
+            out[g] += per_tok[b, slot]
+    return out
+
+
+def test_floors_grouped_probe_sums_the_union_of_each_group(device):
+    """benchmarks.floors' grouped probe, on its check cache (integers in the slots the plan loads, NaN
+    elsewhere): per (group, KV head) it sums exactly the K/V of the tokens that some row of the group
+    keeps (the expected sums agree with the reference keep rule, fp16 and FP8 caches) at every setting
+    it is timed with. Probes that read a wrong plan entry, leave out a token or read an unkept slot are
+    rejected."""
+    from benchmarks import floors
+    from benchmarks.generators import attention_workload
+
+    base = registry.BY_NAME["tiny-prefill"]
+    for scn in (base, dataclasses.replace(base, kv_cache_dtype="fp8_e4m3")):
+        w = attention_workload(scn, torch.device(device))
+        probe = floors.GroupedProbe(w, scn)
+        g = probe.grouped
+        assert g.num_groups >= 2 and probe.union_tokens() > 0
+        k, v, want = probe.check_cache()
+        assert k.dtype == probe.k.dtype and k.shape == probe.k.shape
+        assert torch.isnan((k.view(torch.float8_e4m3fn) if probe.kv_fp8 else k).float()).any()
+        assert torch.equal(want.cpu(), _group_union_sums(w, k, v, g.group_rows))
+        for cfg in floors.grouped_probe_grid(quick=False):
+            assert probe.checked(*cfg)[1], (scn.kv_cache_dtype, cfg)
+    # Sabotaged plans, after the check cache was made from the right one: an entry moved to the next
+    # microblock; a kept token left out; a slot that no row of the group keeps (NaN there) read.
+    i = int(torch.nonzero(g.counts > 0)[0])
+    masks = [int(x) for x in g.masks[i, :int(g.counts[i])]]
+    free = [(e, t) for e, m in enumerate(masks) for t in range(4) if not (m >> t) & 0x11111111]
+    assert free, "the tiny plan has no entry with an unkept slot"
+    e, t = free[0]
+    first = int(g.mb_ids[i, 0])
+    for entry, wrong_id, wrong_mask in ((0, first + 1, masks[0]), (0, first, masks[0] & (masks[0] - 1)),
+                                        (e, int(g.mb_ids[i, e]), masks[e] | 1 << t)):
+        good_id, good_mask = int(g.mb_ids[i, entry]), int(g.masks[i, entry])
+        g.mb_ids[i, entry], g.masks[i, entry] = wrong_id, wrong_mask
+        assert not probe.checked(64, 8, 4, 3)[1], (entry, wrong_id, wrong_mask)
+        g.mb_ids[i, entry], g.masks[i, entry] = good_id, good_mask
+    assert probe.checked(64, 8, 4, 3)[1]
+
+
 def test_floors_cli_writes_its_report(tmp_path, capsys):
     """``python -m benchmarks.floors`` on the CPU: routes, launches and probes measured, JSON and
     Markdown written; a selection scenario is refused."""
@@ -418,6 +477,14 @@ def test_floors_cli_writes_its_report(tmp_path, capsys):
     assert list(tmp_path.glob("floors-*.md"))
     with pytest.raises(SystemExit):
         floors.main(["tiny-selection", "--device", "cpu"])
+    assert floors.main(["tiny-prefill", "--quick", "--device", "cpu", "--out", str(tmp_path / "g")]) == 0
+    (js,) = (tmp_path / "g").glob("floors-*.json")
+    (rec,) = json.load(open(js))["scenarios"]
+    assert rec["scenario"] == "tiny-prefill" and rec["target"] == "splitk / 3" and rec["union_bytes"] > 0
+    assert {p["variant"] for p in rec["probes"]} == {"products", "small"}
+    assert all(p["ok"] and p["median_ms"] > 0 for p in rec["probes"])
+    assert min(rec[k] for k in ("grouped_ms", "planner_ms", "attention_ms", "splitk_ms")) > 0
+    assert "Grouped step" in capsys.readouterr().out
     assert floors.main(["tiny-decode", "--quick", "--device", "cpu", "--flush", "read", "--out", str(tmp_path)]) == 0
     (js,) = tmp_path.glob("floors-*-read-flush.json")
     assert json.load(open(js))["flush"] == "read"
