@@ -538,14 +538,14 @@ def markdown(report: dict) -> str:
         lines += ["| scenario | target | xqa | splitk | 1 launch | 2 launches | best gather (flat) | best gather "
                   "(table) | contiguous | flat GB/s |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    def cell(p):  # a probe's time and setting (gather probes: splits and tile; grouped: rows and tile)
+        if p is None:
+            return "-"
+        shape = f"{p['splits']} splits, {p['block_n']}" if "splits" in p else f"{p['block_m']} rows, {p['mb']} mb"
+        return f"{us(p['median_ms'])} ({shape}/{p['num_warps']}w/{p['stages']}st)"
+
     for r in single:
         bf, bt, bc = (r.get(f"best_{v}") for v in ("flat", "table", "contiguous"))
-
-        def cell(p):
-            if p is None:
-                return "-"
-            return f"{us(p['median_ms'])} ({p['splits']} splits, {p['block_n']}/{p['num_warps']}w/{p['stages']}st)"
-
         gbps = "-" if bf is None else f"{bf['kv_gbps']:.0f}"
         lines.append(f"| {r['scenario']} | {us(r['target_ms'])} | {us(r['xqa_ms'])} | {us(r['splitk_ms'])} | "
                      f"{us(r['launch_1_ms'])} | {us(r['launch_2_ms'])} | {cell(bf)} | {cell(bt)} | {cell(bc)} | "
@@ -560,12 +560,6 @@ def markdown(report: dict) -> str:
                   "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in grouped:
         bp, bl = r.get("best_products"), r.get("best_small")
-
-        def cell(p):
-            if p is None:
-                return "-"
-            return f"{us(p['median_ms'])} ({p['block_m']} rows, {p['mb']} mb/{p['num_warps']}w/{p['stages']}st)"
-
         gbps = "-" if bp is None else f"{bp['gbps']:.0f}"
         lines.append(f"| {r['scenario']} | {us(r['target_ms'])} ({r['target']}) | {us(r['grouped_ms'])} | "
                      f"{us(r['planner_ms'])} | {us(r['attention_ms'])} | {us(r['splitk_ms'])} | {cell(bp)} | "
