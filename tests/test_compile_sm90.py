@@ -17,3 +17,4 @@ def test_kernels_compile_for_sm90():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "grouped fp16/fp16 G=6" in proc.stdout and "merge and planner kernels: compiled" in proc.stdout
     assert "arguments of 1: compiled" in proc.stdout
+    assert "gluon prototype (plain, lazy):" in proc.stdout

@@ -1,0 +1,1 @@
+"""Kernels tried outside the library, with the scripts that measure them against it."""
