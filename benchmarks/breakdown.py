@@ -29,17 +29,24 @@ from .registry import SCENARIOS
 from .timing import Timer
 
 
-def step_fn(scn, w, route: str):
-    """plan + run of ``route`` into fixed buffers, as the benchmark times it."""
-    from qsa.plan import PlanWorkspace
-
+def plan_args(scn, w, route: str) -> tuple[tuple, dict]:
+    """(positional, keyword) arguments of ``plan_attention`` for a scenario's workload, as the benchmark
+    plans it."""
     c = w.cache
     # max_query_len as a serving engine's step metadata gives it (rows per request): `auto` sends a pure
     # decode batch to xqa.
     plan_kw = dict(block_size=c.block_size, num_blocks=c.num_blocks, num_q_heads=scn.num_q_heads,
                    num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route=route, rows_sorted=True,
                    max_query_len=scn.rows // scn.num_reqs)
-    plan_in = (w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens)
+    return (w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens), plan_kw
+
+
+def step_fn(scn, w, route: str):
+    """plan + run of ``route`` into fixed buffers, as the benchmark times it."""
+    from qsa.plan import PlanWorkspace
+
+    c = w.cache
+    plan_in, plan_kw = plan_args(scn, w, route)
     plan = plan_attention(*plan_in, **plan_kw)
     ws = None
     if plan.grouped is not None:

@@ -48,7 +48,7 @@ import triton.language as tl
 from qsa import routes
 from qsa.kernels.common import load_kv_microblocks, split_range
 
-from .breakdown import step_fn
+from .breakdown import plan_args, step_fn
 from .generators import attention_workload, kept_entries
 from .registry import SCENARIOS
 from .run import step_bytes
@@ -311,10 +311,7 @@ class GroupedProbe:
 
         self.w, self.scn = w, scn
         c = w.cache
-        self.plan_kw = dict(block_size=c.block_size, num_blocks=c.num_blocks, num_q_heads=scn.num_q_heads,
-                            num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route="grouped",
-                            rows_sorted=True, max_query_len=scn.rows // scn.num_reqs)
-        self.plan_in = (w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens)
+        self.plan_in, self.plan_kw = plan_args(scn, w, "grouped")
         self.plan = plan_attention(*self.plan_in, **self.plan_kw)
         self.grouped = self.plan.grouped
         if self.grouped is None:
