@@ -178,6 +178,7 @@ def check_merge_and_planner_kernels():
         _, usage = compile_sm90_(kernel, pointers, {**constexprs, "PDL": True}, **kw)
         assert usage["pdl"], (kernel, usage)
         assert usage["local"] == 0, (kernel, constexprs, usage)
+        return usage
 
     compile_sm90(merge_splits_kernel, {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*fp16",
                                        "gate_ptr": "*fp16", "lse_ptr": "*fp32"},
@@ -198,12 +199,17 @@ def check_merge_and_planner_kernels():
     for cfg in (PLANNER, PLANNER_FEW, PLANNER_SHORT):
         for layout, summary in ((0, cfg.summary), (0, not cfg.summary), (1, False)):
             # XCAP (a multiple of 512) is specialised as divisible by 16 in real launches, like the strides.
-            compile_sm90(grouped_plan_kernel, groups, dict(GROUP_ROWS=8, BLOCK_Q=8, BLOCK_SIZE=16, QUADS=cfg.quads,
-                                                           SCAN=cfg.scan, LAYOUT=layout, PAD=16, SUMMARY=summary,
-                                                           PTX=True, LATE_TABLE=cfg.late_table and layout == 0),
-                         num_warps=cfg.num_warps,
-                         divisible={p.name for p in grouped_plan_kernel.params
-                                    if p.name == "XCAP" or p.name.startswith("stride_")})
+            usage = compile_sm90(grouped_plan_kernel, groups,
+                                 dict(GROUP_ROWS=8, BLOCK_Q=8, BLOCK_SIZE=16, QUADS=cfg.quads, SCAN=cfg.scan,
+                                      LAYOUT=layout, PAD=16, SUMMARY=summary, PTX=True,
+                                      LATE_TABLE=cfg.late_table and layout == 0),
+                                 num_warps=cfg.num_warps,
+                                 divisible={p.name for p in grouped_plan_kernel.params
+                                            if p.name == "XCAP" or p.name.startswith("stride_")})
+            if cfg is not PLANNER_FEW and (layout, summary) == (0, cfg.summary):
+                # The persistent grid is resident at once: more programs than fit an SM would only wait for
+                # a free slot (PLANNER_FEW launches fewer programs than SMs).
+                assert cfg.programs_per_sm * cfg.num_warps * 32 * usage["regs"] <= 65536, (cfg, usage)
 
 
 ONE_ARGS = {  # integer arguments a launch may pass as 1

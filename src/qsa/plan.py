@@ -141,12 +141,16 @@ class PlannerConfig:
     late_table: bool = True
 
 
-PLANNER = PlannerConfig()
-"""The grouped planner's settings for many groups (a prefill chunk): small steps, several programs per SM,
-the scan over flagged sectors only, the block table checked in the scan. On the H200, 8192 rows x 2051
-indices at 64K: 0.099 ms at overlap 0.98, 0.114 ms at 0.8 (0.142 and 0.146 ms for the v9 planner, which
-looked the table up in the bitmap pass and scanned every word); 128K, overlap 0.8: 0.147 ms (0.219 ms)
-(``benchmarks/results/experiments/2026-11-30-0406-grouped-planner-sectors-nvidia-h200.json and -0412-planner-late-table-scale-fold-``)."""
+PLANNER = PlannerConfig(programs_per_sm=3)
+"""The grouped planner's settings for many groups (a prefill chunk): small steps, three programs per SM
+(at 168 registers per thread, as many as are resident at once: a larger grid only waits for free slots,
+and allocates scratch it does not use at the same time), the scan over flagged sectors only, the block
+table checked in the scan. On the H200, 8192 rows x 2051 indices at 64K: 0.099 ms at overlap 0.98, 0.113
+ms at 0.8 (0.142 and 0.146 ms for the v9 planner, which looked the table up in the bitmap pass and scanned
+every word); 128K, overlap 0.8: 0.147 ms (0.219 ms)
+(``benchmarks/results/experiments/2026-11-30-0406-grouped-planner-sectors-nvidia-h200.json``,
+``-0412-planner-late-table-scale-fold-`` and ``-1430-grouped-planner-programs-``: 3, 5 and 6 programs
+per SM measured within 1% of each other)."""
 
 PLANNER_FEW = PlannerConfig(quads=64, scan=4096, num_warps=8, programs_per_sm=4, summary=False, late_table=False)
 """The grouped planner's settings for fewer groups than SMs (MTP, small batches), where one group's
