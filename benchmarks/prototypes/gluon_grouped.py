@@ -9,7 +9,8 @@ LSE. The Triton interpreter does not run Gluon, so this kernel is checked on a G
 ``grouped_attention_kernel``'s at the same settings (with ``lazy``, to the lazy-rescale setting's). On
 the H200 it took 929-935 us at prefill-64k-o80 against 953 us, 468-469 against 488-490 at o98
 (benchmarks/results/experiments/2026-11-30-1354-gluon-grouped-nvidia-h200.json): 2-4%, where the o80
-target needs about 10%.
+target needs about 10%. A warp-specialized version (a producer warpgroup for the copies) measured 1.6-4.4x
+slower (docs/perf-notes.md, "Warp specialization in Gluon").
 
     python -m benchmarks.prototypes.gluon_grouped prefill-64k-o80 prefill-64k-o98 --out DIR
 """
