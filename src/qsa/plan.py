@@ -150,7 +150,7 @@ ms at 0.8 (0.142 and 0.146 ms for the v9 planner, which looked the table up in t
 every word); 128K, overlap 0.8: 0.147 ms (0.219 ms)
 (``benchmarks/results/experiments/2026-11-30-0406-grouped-planner-sectors-nvidia-h200.json``,
 ``-0412-planner-late-table-scale-fold-`` and ``-1430-grouped-planner-programs-``: 3, 5 and 6 programs
-per SM measured within 1% of each other)."""
+per SM measured within 2% of each other)."""
 
 PLANNER_FEW = PlannerConfig(quads=64, scan=4096, num_warps=8, programs_per_sm=4, summary=False, late_table=False)
 """The grouped planner's settings for fewer groups than SMs (MTP, small batches), where one group's
