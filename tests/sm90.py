@@ -106,6 +106,13 @@ def _attention_pointers(act, cache):
 FLAGS = dict(HEAD_DIM=256, BLOCK_SIZE=16, HAS_GATE=True, RETURN_LSE=True, PDL=True)
 
 
+def assert_resident(programs_per_sm: int, num_warps: int, usage: dict, what) -> None:
+    """``programs_per_sm`` programs of a kernel with this resource usage fit one SM at once: registers,
+    and shared memory (each program also holds 1 KB of the SM's shared memory for the system)."""
+    assert programs_per_sm * 32 * num_warps * usage["regs"] <= 65536, (what, usage)
+    assert programs_per_sm * (usage["shared"] + 1024) <= SM_SHARED, (what, usage)
+
+
 def check_grouped_kernel(act, cache, G):
     cfg = routes.grouped_config(G, 256, kv_fp8=cache == "u8")
     ptrs = {**_attention_pointers(act, cache), "ids_ptr": "*i32", "masks_ptr": "*i32", "counts_ptr": "*i32"}
@@ -162,11 +169,8 @@ def check_single_row_kernel(route, cache):
     assert usage["pdl"], usage
     assert usage["local"] == 0, usage  # no spills
     if route.startswith("xqa-direct"):
-        # The programs per SM that the split count assumes fit: registers and shared memory (each
-        # program also holds 1 KB of the SM's shared memory for the system).
-        threads = 32 * cfg.num_warps
-        assert cfg.programs_per_sm * threads * usage["regs"] <= 65536, (route, cache, cfg, usage)
-        assert cfg.programs_per_sm * (usage["shared"] + 1024) <= SM_SHARED, (route, cache, cfg, usage)
+        # The programs per SM that the split count assumes fit.
+        assert_resident(cfg.programs_per_sm, cfg.num_warps, usage, (route, cache, cfg))
         if cfg.max_registers is None:
             assert usage["stack"] == 0 and usage["spills"] == 0, usage
         assert usage["loop_spills"] == 0, (route, cache, usage)  # capped: spills only outside the loop
@@ -209,7 +213,7 @@ def check_merge_and_planner_kernels():
             if cfg is not PLANNER_FEW and (layout, summary) == (0, cfg.summary):
                 # The persistent grid is resident at once: more programs than fit an SM would only wait for
                 # a free slot (PLANNER_FEW launches fewer programs than SMs).
-                assert cfg.programs_per_sm * cfg.num_warps * 32 * usage["regs"] <= 65536, (cfg, usage)
+                assert_resident(cfg.programs_per_sm, cfg.num_warps, usage, cfg)
 
 
 ONE_ARGS = {  # integer arguments a launch may pass as 1
@@ -272,7 +276,7 @@ def check_gluon_prototype():
         usage = resource_usage(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)))
         assert usage["mma"] == "wgmma" and not usage["wgmma_serialized"], usage
         assert usage["loop_spills"] <= (0 if lazy else 1), usage  # as measured on the H200 (13:53)
-        assert 2 * (usage["shared"] + 1024) <= SM_SHARED, usage
+        assert_resident(2, 4, usage, ("gluon prototype", lazy))
         out.append(usage)
     return out
 
