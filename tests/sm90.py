@@ -88,6 +88,8 @@ def resource_usage(compiled) -> dict:
     mma = [i for i, op in enumerate(ops) if op.startswith(("HMMA", "HGMMA"))]
     usage["loop_spills"] = sum(op.split(".")[0] in ("STL", "LDL") for op in ops[mma[0]:mma[-1] + 1]) if mma else 0
     usage["spills"] = sum(op.split(".")[0] in ("STL", "LDL") for op in ops)
+    # The highest register the code names: above "regs" where setmaxnreg raised a region's count.
+    usage["max_reg"] = max((int(r) for r in re.findall(r"\bR(\d+)\b", sass)), default=0)
     usage["mma"] = "wgmma" if "wgmma" in compiled.asm["ptx"] else ("mma" if "mma.sync" in compiled.asm["ptx"] else "none")
     return usage
 
@@ -249,34 +251,69 @@ def check_arguments_of_one():
                  dict(BLOCK_SIZE=16, BLOCK_W=4096, CH=512, PAD=16, EMIT_TOKENS=True, PDL=True, **ones), num_warps=16)
 
 
-def check_gluon_prototype():
-    """The Gluon prototype of the grouped kernel (benchmarks/prototypes), with and without the lazy
-    rescale: two programs fit an SM, no spill inside its loop, its wgmma not serialised."""
+def _compile_gluon_prototype(kernel, constexprs: dict):
+    """A prototype's Gluon kernel (benchmarks/prototypes; the grouped kernel's arguments) for sm_90, its
+    pointers and strides marked divisible by 16 as a launch would."""
     from triton.experimental.gluon._runtime import GluonASTSource
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    if root not in sys.path:
-        sys.path.insert(0, root)
-    from benchmarks.prototypes.gluon_grouped import gluon_grouped_kernel as kernel
 
     ptrs = dict(q_ptr="*fp16", k_ptr="*fp16", v_ptr="*fp16", ids_ptr="*i32", masks_ptr="*i32", counts_ptr="*i32",
                 out_ptr="*fp16")
+    signature, attrs = {}, {}
+    for i, p in enumerate(kernel.params):
+        if p.is_constexpr:
+            signature[p.name] = "constexpr"
+        else:
+            signature[p.name] = ptrs.get(p.name, "fp32" if p.name == "qk_scale" else "i32")
+            if p.name in ptrs or p.name.startswith("stride_"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = GluonASTSource(fn=kernel, signature=signature, attrs=attrs, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+
+
+def _prototypes_importable() -> None:
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
+def check_gluon_prototype():
+    """The Gluon prototype of the grouped kernel (benchmarks/prototypes), with and without the lazy
+    rescale: two programs fit an SM, no spill inside its loop, its wgmma not serialised."""
+    _prototypes_importable()
+    from benchmarks.prototypes.gluon_grouped import gluon_grouped_kernel as kernel
+
     out = []
     for lazy in (False, True):
-        signature, attrs = {}, {}
-        for i, p in enumerate(kernel.params):
-            if p.is_constexpr:
-                signature[p.name] = "constexpr"
-            else:
-                signature[p.name] = ptrs.get(p.name, "fp32" if p.name == "qk_scale" else "i32")
-                if p.name in ptrs or p.name.startswith("stride_"):
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        src = GluonASTSource(fn=kernel, signature=signature, attrs=attrs,
-                             constexprs=dict(G=6, GROUP_ROWS=8, MB=8, HEAD_DIM=256, BLOCK_SIZE=16, LAZY=lazy))
-        usage = resource_usage(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)))
+        usage = resource_usage(_compile_gluon_prototype(
+            kernel, dict(G=6, GROUP_ROWS=8, MB=8, HEAD_DIM=256, BLOCK_SIZE=16, LAZY=lazy)))
         assert usage["mma"] == "wgmma" and not usage["wgmma_serialized"], usage
         assert usage["loop_spills"] <= (0 if lazy else 1), usage  # as measured on the H200 (13:53)
         assert_resident(2, 4, usage, ("gluon prototype", lazy))
+        out.append(usage)
+    return out
+
+
+def check_gluon_ws_prototype():
+    """The warp-specialized Gluon prototype (benchmarks/prototypes/gluon_ws.py), V in 3 and 2 buffers:
+    with its PTX rewritten, two CTAs of 8 warps fit an SM at 128 registers per thread, the consumer's
+    region takes more than 128 (up to 256 - PREGS), and the consumer keeps its loop in registers
+    (one spill store with V in 3 buffers)."""
+    _prototypes_importable()
+    from benchmarks.prototypes.gluon_ws import gluon_ws_kernel as kernel, install_ptx_hook
+
+    install_ptx_hook()
+    out = []
+    for nv in (3, 2):
+        compiled = _compile_gluon_prototype(
+            kernel, dict(G=6, GROUP_ROWS=8, MB=8, HEAD_DIM=256, BLOCK_SIZE=16, NK=2, NV=nv, PREGS=32))
+        usage = resource_usage(compiled)
+        ptx = compiled.asm["ptx"]
+        assert ".minnctapersm 2" in ptx and ".maxnreg" not in ptx, "PTX not rewritten"
+        assert re.findall(r"setmaxnreg\.(inc|dec)\.sync\.aligned\.u32\s+(\d+);", ptx) == [("inc", "224"), ("dec", "32")]
+        assert usage["regs"] == 128 and 128 < usage["max_reg"] < 224, usage
+        assert usage["mma"] == "wgmma" and not usage["wgmma_serialized"], usage
+        assert usage["loop_spills"] <= (1 if nv == 3 else 0), usage  # as measured on the H200 (15:51)
+        assert_resident(2, 8, usage, ("gluon warp-specialized prototype", nv))
         out.append(usage)
     return out
 
@@ -294,6 +331,7 @@ def main() -> int:
     check_arguments_of_one()
     print("arguments of 1: compiled")
     print(f"gluon prototype (plain, lazy): {check_gluon_prototype()}")
+    print(f"gluon warp-specialized prototype (V in 3, 2 buffers): {check_gluon_ws_prototype()}")
     return 0
 
 

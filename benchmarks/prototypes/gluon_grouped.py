@@ -9,20 +9,15 @@ LSE. The Triton interpreter does not run Gluon, so this kernel is checked on a G
 ``grouped_attention_kernel``'s at the same settings (with ``lazy``, to the lazy-rescale setting's). On
 the H200 it took 929-935 us at prefill-64k-o80 against 953 us, 468-469 against 488-490 at o98
 (benchmarks/results/experiments/2026-11-30-1354-gluon-grouped-nvidia-h200.json): 2-4%, where the o80
-target needs about 10%. A warp-specialized version (a producer warpgroup for the copies) measured 1.6-4.4x
-slower (docs/perf-notes.md, "Warp specialization in Gluon").
+target needs about 10%. A warp-specialized version (a producer warpgroup for the copies, two CTAs per SM)
+is ``gluon_ws.py``: level with the Triton kernel, not faster.
 
     python -m benchmarks.prototypes.gluon_grouped prefill-64k-o80 prefill-64k-o98 --out DIR
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
-import os
 import sys
-import time
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -65,6 +60,19 @@ def _issue(buf, base_ptr, off, used, o_d):
 
 
 @gluon.jit
+def group_tile(base_ptr, i_g, i_kvh, num_rows, stride_row, stride_head, G: gl.constexpr, GROUP_ROWS: gl.constexpr,
+               BLOCK_M: gl.constexpr, COLS: gl.constexpr, LAYOUT: gl.constexpr):
+    """Pointers [BLOCK_M, COLS] in LAYOUT to the group's matrix rows (matrix row m is group row m // G, head
+    m % G of KV head i_kvh), and the mask of the real ones."""
+    o_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, LAYOUT))
+    o_c = gl.arange(0, COLS, layout=gl.SliceLayout(0, LAYOUT))
+    o_row = (i_g * GROUP_ROWS + o_m // G).to(gl.int64)
+    m_row = (o_m < GROUP_ROWS * G) & (o_row < num_rows)
+    ptrs = base_ptr + o_row[:, None] * stride_row + (i_kvh * G + o_m % G)[:, None] * stride_head + o_c[None, :]
+    return ptrs, m_row[:, None]
+
+
+@gluon.jit
 def gluon_grouped_kernel(
     q_ptr, k_ptr, v_ptr,  # [rows, Hq, D] fp16; [num_blocks, block_size, Hkv, D] fp16, K and V of one layout
     ids_ptr, masks_ptr, counts_ptr,  # the grouped plan (qsa.plan.GroupedPlan)
@@ -96,13 +104,9 @@ def gluon_grouped_kernel(
     i_g = gl.program_id(0)
     i_kvh = gl.program_id(1).to(gl.int64)
 
-    # Q: matrix row m is (group row m // G, head m % G).
-    o_mq = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, ld))
-    o_dq = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, ld))
-    q_row = (i_g * GROUP_ROWS + o_mq // G).to(gl.int64)
-    m_q = (o_mq < GROUP_ROWS * G) & (q_row < num_rows)
-    p_q = q_ptr + q_row[:, None] * stride_q_row + (i_kvh * G + o_mq % G)[:, None] * stride_q_head + o_dq[None, :]
-    b_q = gl.load(p_q, mask=m_q[:, None], other=0.0)
+    p_q, m_q = group_tile(q_ptr, i_g, i_kvh, num_rows, stride_q_row, stride_q_head, G, GROUP_ROWS, BLOCK_M, HEAD_DIM,
+                          ld)
+    b_q = gl.load(p_q, mask=m_q, other=0.0)
     b_q = gl.convert_layout(b_q, q_op)
 
     # Per matrix row: the nibble of its group row (rows past the group's read row 7's; never stored).
@@ -212,108 +216,52 @@ def gluon_grouped_kernel(
     # Epilogue: out = acc / l for the program's real rows.
     b_l = gl.convert_layout(b_l, gl.SliceLayout(1, o_layout))
     b_out = b_acc / gl.where(b_l > 0, b_l, 1.0)[:, None]
-    o_mo = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-    o_do = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    o_row = (i_g * GROUP_ROWS + o_mo // G).to(gl.int64)
-    m_o = (o_mo < GROUP_ROWS * G) & (o_row < num_rows)
-    p_o = out_ptr + o_row[:, None] * stride_o_row + (i_kvh * G + o_mo % G)[:, None] * stride_o_head + o_do[None, :]
-    gl.store(p_o, b_out.to(gl.float16), mask=m_o[:, None])
+    p_o, m_o = group_tile(out_ptr, i_g, i_kvh, num_rows, stride_o_row, stride_o_head, G, GROUP_ROWS, BLOCK_M,
+                          HEAD_DIM, o_layout)
+    gl.store(p_o, b_out.to(gl.float16), mask=m_o)
 
 
 def gluon_grouped(q, k, v, plan, out, softmax_scale: float, *, lazy: bool = False) -> None:
     """Rows ``[0, plan.num_rows)`` of ``out`` from the grouped plan (scope in the module docstring)."""
-    hq, d = q.shape[1], q.shape[2]
-    hkv = k.shape[2]
-    if (hq // hkv, d, plan.group_rows) != (6, 256, 8) or q.dtype != k.dtype or str(q.dtype) != "torch.float16":
-        raise ValueError("the prototype covers 6/1/256 fp16 with 8-row groups only")
-    if k.stride() != v.stride():
-        raise ValueError(f"K and V caches must share their strides, got {k.stride()} and {v.stride()}")
-    gluon_grouped_kernel[(plan.num_groups, hkv)](
-        q, k, v, plan.mb_ids, plan.masks, plan.counts, out, plan.num_rows, softmax_scale * math.log2(math.e),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k.stride(2), plan.mb_ids.stride(0),
-        out.stride(0), out.stride(1),
-        G=hq // hkv, GROUP_ROWS=plan.group_rows, MB=8, HEAD_DIM=d, BLOCK_SIZE=k.shape[1], LAZY=lazy, num_warps=4)
+    from .harness import kernel_args
+
+    args = kernel_args(q, k, v, plan, out, softmax_scale)
+    gluon_grouped_kernel[(plan.num_groups, k.shape[2])](
+        *args, G=q.shape[1] // k.shape[2], GROUP_ROWS=plan.group_rows, MB=8, HEAD_DIM=q.shape[2],
+        BLOCK_SIZE=k.shape[1], LAZY=lazy, num_warps=4)
 
 
 def compare(names, timer, rounds: int = 2) -> list[dict]:
     """Each scenario's grouped attention (plan made once): the Triton kernel at its default and lazy-rescale
     settings and this kernel without and with the lazy rescale, each checked against the fp32 reference
     and bitwise against its Triton twin, then timed in interleaved rounds."""
-    import torch
-
     from qsa import attention, routes
-    from qsa.plan import PlanWorkspace, plan_groups
-    from qsa.reference import assert_close_like_torch
 
-    from ..baselines import chunked_attention, full_fp32_matmul
-    from ..generators import attention_workload
-    from ..registry import BY_NAME
+    from .harness import compare_kernels
 
-    records = []
-    for name in names:
-        scn = BY_NAME[name]
-        w = attention_workload(scn, timer.device)
-        q, c = w.q, w.cache
-        with full_fp32_matmul():
-            ref = chunked_attention(q, *w.args, compute_dtype=torch.float32, **w.cache_kwargs).double()
-        low = chunked_attention(q, *w.args, compute_dtype=q.dtype, **w.cache_kwargs)
-        ws = PlanWorkspace.for_plan(w.block_table, block_size=c.block_size, num_groups=q.shape[0] // 8)
-        plan = plan_groups(w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens,
-                           block_size=c.block_size, num_blocks=c.num_blocks, workspace=ws)
-        n, scale = plan.num_rows, scn.head_dim ** -0.5
-        kw = dict(lse=None, gate=None, softmax_scale=scale, k_scale=c.k_scale, v_scale=c.v_scale, kv_fp8=False)
-        lazy_cfg = routes.GroupedConfig(rows_per_prog=8, block_m=64, mb=8, num_warps=4, num_stages=3,
-                                        programs_per_sm=2, prefetch=False, lazy_rescale=True)
-        runs = {}
-        for label, lazy in (("triton", False), ("triton-lazy", True), ("gluon", False), ("gluon-lazy", True)):
-            out = torch.full_like(q, float("nan"))
-            if label.startswith("triton"):
-                def fn(out=out, lazy=lazy):
-                    attention.grouped_attention(q, c.k, c.v, plan, out=out, config=lazy_cfg if lazy else None, **kw)
-            else:
-                def fn(out=out, lazy=lazy):
-                    gluon_grouped(q, c.k, c.v, plan, out, scale, lazy=lazy)
-            fn()
-            torch.cuda.synchronize()
-            assert_close_like_torch(out[:n], ref[:n], low[:n])
-            runs[label] = (fn, out)
-        for label in ("gluon", "gluon-lazy"):
-            twin = label.replace("gluon", "triton")
-            same = bool(torch.equal(runs[label][1][:n], runs[twin][1][:n]))
-            records.append(dict(scenario=name, kernel=label, bitwise_equal_to=twin, equal=same))
-            print(f"{name}: {label} bitwise equal to {twin}: {same}", flush=True)
-        for rnd in range(rounds):
-            for label, (fn, _) in runs.items():
-                t = timer.time(fn)
-                records.append(dict(scenario=name, kernel=label, round=rnd, us=t.median_ms * 1e3))
-                print(f"{name:20s} {label:12s} round {rnd} {t.median_ms * 1e3:8.1f} us", flush=True)
-        del w, ref, low, runs
-        torch.cuda.empty_cache()
-    return records
+    lazy_cfg = routes.GroupedConfig(rows_per_prog=8, block_m=64, mb=8, num_warps=4, num_stages=3,
+                                    programs_per_sm=2, prefetch=False, lazy_rescale=True)
+
+    def make_runs(pb):
+        q, c, plan = pb.q, pb.cache, pb.plan
+
+        def triton(cfg):
+            return lambda out: attention.grouped_attention(q, c.k, c.v, plan, out=out, config=cfg,
+                                                           **pb.attention_kwargs)
+
+        def gluon(lazy):
+            return lambda out: gluon_grouped(q, c.k, c.v, plan, out, pb.scale, lazy=lazy)
+
+        return {"triton": triton(None), "triton-lazy": triton(lazy_cfg), "gluon": gluon(False),
+                "gluon-lazy": gluon(True)}
+
+    return compare_kernels(names, timer, make_runs, {"gluon": "triton", "gluon-lazy": "triton-lazy"}, rounds)
 
 
 def main(argv=None) -> int:
-    import torch
+    from .harness import main as run
 
-    from ..timing import Timer, TimingConfig
-
-    p = argparse.ArgumentParser(prog="python -m benchmarks.prototypes.gluon_grouped",
-                                description=__doc__.split("\n")[0])
-    p.add_argument("scenarios", nargs="+")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
-    args = p.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("needs a CUDA GPU (Hopper)", file=sys.stderr)
-        return 2
-    timer = Timer("cuda", TimingConfig(budget_s=0.2, min_reps=10, max_reps=100))
-    records = compare(args.scenarios, timer)
-    os.makedirs(args.out, exist_ok=True)
-    name = torch.cuda.get_device_name()
-    path = os.path.join(args.out, f"gluon-grouped-{time.strftime('%Y-%m-%d-%H%M', time.gmtime())}.json")
-    with open(path, "w") as f:
-        json.dump(dict(device=name, date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), records=records), f,
-                  indent=1)
-    return 0
+    return run("python -m benchmarks.prototypes.gluon_grouped", __doc__, "gluon-grouped", compare, argv)
 
 
 if __name__ == "__main__":
