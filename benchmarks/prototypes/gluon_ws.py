@@ -23,8 +23,9 @@ follows from ``PREGS``, a constexpr, so it is part of that key; a change to ``re
 fresh cache).
 
 Measured on the H200 (benchmarks/results/experiments/2026-11-30-1542-gluon-ws-two-ctas-nvidia-h200.json),
-bitwise equal to ``grouped_attention_kernel``: at best level with it, not faster. prefill-64k-o80
-969-971 us against 952-954, o98 486-492 against 492 (V in 3 buffers; with 2, 1185-1197 and 612-626).
+bitwise equal to ``grouped_attention_kernel``: level with it, not faster. Over three runs, prefill-64k-o80
+956-978 us against 952-962 and o98 487-491 against 489-495 (V in 3 buffers; with 2, 1189-1197 and
+612-618).
 
 Scope: 6/1/256, fp16 activations and cache, K and V of one layout, 8-row groups, one split, no gate or
 LSE; a GPU only (the interpreter does not run Gluon). ``tests/sm90.py`` compiles it on any machine.
