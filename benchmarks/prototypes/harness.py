@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import sys
 import time
@@ -64,8 +65,6 @@ def grouped_problem(name: str, device) -> GroupedProblem:
 def kernel_args(q, k, v, plan, out, softmax_scale: float) -> tuple:
     """The prototypes' kernel arguments up to the constexprs, after checking their scope: 6/1/256 fp16,
     8-row groups, K and V of one layout."""
-    import math
-
     hq, d = q.shape[1], q.shape[2]
     if (hq // k.shape[2], d, plan.group_rows) != (6, 256, 8) or q.dtype != k.dtype or str(q.dtype) != "torch.float16":
         raise ValueError("the prototypes cover 6/1/256 fp16 with 8-row groups only")
