@@ -4,6 +4,8 @@ bitwise the same for both orders and under page moves, and chosen only where adm
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import qsa
 from qsa import attention, routes
@@ -23,8 +25,8 @@ def ascending_rows(indices: torch.Tensor) -> torch.Tensor:
     return torch.where(key == big, -1, key).to(torch.int32)
 
 
-def run_direct(case, *, splits=1, scratch=None, indices=None, prefetch=False, resolve_split=False, config=None,
-               **kw):
+def run_direct(case, *, splits=1, scratch=None, indices=None, prefetch=False, resolve_split=False, defer_check=False,
+               config=None, **kw):
     c = case.cache
     out = torch.full_like(case.q, float("nan"))
     lse = torch.full(case.q.shape[:2], float("nan"), dtype=torch.float32)
@@ -35,7 +37,8 @@ def run_direct(case, *, splits=1, scratch=None, indices=None, prefetch=False, re
         softmax_scale=case.q.shape[2] ** -0.5, k_scale=c.k_scale, v_scale=c.v_scale,
         kv_fp8=c.kv_cache_dtype == "fp8_e4m3", num_splits=splits, scratch=scratch,
         config=config or routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=prefetch,
-                                            resolve_split=resolve_split), **kw)
+                                            resolve_split=resolve_split or defer_check, defer_check=defer_check),
+        **kw)
     return out, lse
 
 
@@ -58,6 +61,7 @@ def test_direct_matches_reference(order, dtype, kv_cache_dtype):
         case.indices = ascending_rows(case.indices)
     for splits in (1, 3):
         check(case, run_direct(case, splits=splits))
+    check(case, run_direct(case, splits=3, defer_check=True))
 
 
 def test_sorted_rows_take_the_fast_path():
@@ -94,12 +98,14 @@ def row_check_reference(case, idx):
     return verdicts
 
 
-def test_row_check_verdict_matches_its_definition():
+@pytest.mark.parametrize("defer_check", [False, True])
+def test_row_check_verdict_matches_its_definition(defer_check):
     """Rows built at the edges of the check: an adjacent duplicate, a dropped entry (negative, past the
     position, past the table) before kept ones or only at the end, a padding row in any order. A row
     is sorted in the kernel (its scratch row written) exactly when the defined check fails, and the
-    outputs match the reference either way. (Checks that accept duplicates, compare signed or skip the
-    table bound give other verdicts here.)"""
+    outputs match the reference either way; with ``defer_check`` the splits check their own positions
+    and the merge sorts the row. (Checks that accept duplicates, compare signed or skip the table bound
+    give other verdicts here.)"""
     case = make_attention_case(rows=10, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=12,
                                max_seq_len=90, padding_rows=1, seed=23)
     limit = case.block_table.shape[1] * case.cache.block_size
@@ -123,11 +129,67 @@ def test_row_check_verdict_matches_its_definition():
     verdicts = row_check_reference(case, idx)
     assert not all(verdicts) and any(verdicts), verdicts
     scratch = torch.full((10, 16), -7, dtype=torch.int32)
-    got = run_direct(case, indices=idx, scratch=scratch, splits=2)
+    got = run_direct(case, indices=idx, scratch=scratch, splits=2, defer_check=defer_check)
     case.indices = idx
     check(case, got)
     for r in range(10):
         assert bool((scratch[r] != -7).any()) == (not verdicts[r]), (r, idx[r], verdicts[r], scratch[r])
+
+def split_boundary_case():
+    """6 rows of 64 kept tokens (16-token tiles: with 2 or 4 splits, splits begin at positions 16, 32, 48),
+    ascending as ``select_tokens`` emits them except rows 1-3, which break the order only between
+    positions 31 and 32: two tokens swapped, a duplicate, a dropped entry before a kept one."""
+    case = make_attention_case(rows=6, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=64,
+                               max_seq_len=300, messy=False, padding_rows=0, seed=31)
+    g = torch.Generator().manual_seed(32)
+    lens = case.seq_lens.tolist()
+    long_req = max(range(len(lens)), key=lambda r: lens[r])
+    assert lens[long_req] >= 80, lens
+    idx = torch.empty((6, 64), dtype=torch.int32)
+    for r in range(6):
+        case.token_to_req[r] = long_req
+        case.positions[r] = lens[long_req] - 1 - r
+        idx[r] = torch.randperm(int(case.positions[r]) + 1, generator=g)[:64].sort().values.to(torch.int32)
+    sorted_idx = idx.clone()
+    idx[1, 31], idx[1, 32] = sorted_idx[1, 32], sorted_idx[1, 31]
+    idx[2, 32] = idx[2, 31]
+    sorted_idx[2] = ascending_rows(idx[2:3])[0]
+    idx[3, 31] = int(case.positions[3]) + 1  # dropped (past the position), before kept entries
+    sorted_idx[3] = ascending_rows(torch.where(idx[3:4] > case.positions[3], -1, idx[3:4]))[0]
+    case.indices = idx
+    return case, sorted_idx
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_deferred_check_sees_the_split_boundaries(splits):
+    """With the deferred check each split compares its first entry with the last of the split before.
+    Rows out of order only across that boundary are sorted by the merge (their scratch rows written, no
+    other), and every output is bitwise the same as for the sorted rows and as without the deferral."""
+    case, sorted_idx = split_boundary_case()
+    scratch = torch.full((6, 64), -7, dtype=torch.int32)
+    got = run_direct(case, splits=splits, defer_check=True, scratch=scratch)
+    check(case, got)
+    assert [bool((scratch[r] != -7).any()) for r in range(6)] == [False, True, True, True, False, False]
+    _assert_bitwise(got, run_direct(case, splits=splits, resolve_split=True), "deferred vs whole-row check")
+    _assert_bitwise(got, run_direct(case, splits=splits, defer_check=True, indices=sorted_idx), "sorted rows")
+
+
+@triton.jit
+def _split_inner_pairs_only(b_t, u_prev, o_pos, n_pos, u_lim):
+    """Known-wrong ``_split_ascends``: skips the split's first position (the pair across the boundary)."""
+    m_in = (o_pos >= 1) & (o_pos < n_pos) & (o_pos > tl.min(o_pos, 0))
+    u_t = b_t.to(tl.uint32, bitcast=True)
+    return tl.min((~m_in | (u_t >= u_lim) | (u_prev < u_t)).to(tl.int32), 0) != 0
+
+
+def test_deferred_check_without_the_boundary_is_caught(monkeypatch):
+    """The test above rejects a split check that skips the boundary."""
+    import qsa.kernels.xqa as kx
+
+    monkeypatch.setattr(kx, "_split_ascends", _split_inner_pairs_only)
+    with pytest.raises(AssertionError):
+        test_deferred_check_sees_the_split_boundaries(2)
+
 
 def mixed_order_case(seed, shuffled):
     """9 rows of 44 indices, sorted as ``select_tokens`` emits them except rows ``shuffled``."""
@@ -197,6 +259,11 @@ def test_direct_is_bitwise_deterministic():
     _assert_bitwise(base, run_direct(case.with_permuted_indices(g), splits=2), "shuffled rows")
     mapping = random_mapping(case.cache.num_blocks, generator=g)
     _assert_bitwise(base, run_direct(case.relocated(mapping), splits=2), "relocation")
+    # The deferred check: the same bits on sorted rows (checked by each split) and shuffled ones (sorted by
+    # the merge), and the same as without it.
+    for name, c in (("sorted", case), ("shuffled rows", case.with_permuted_indices(g)),
+                    ("relocation", case.relocated(mapping))):
+        _assert_bitwise(base, run_direct(c, splits=2, defer_check=True), f"deferred check, {name}")
 
 
 def test_admission_of_the_direct_kernel():

@@ -176,23 +176,30 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
     part_acc, part_ml = _partials(n, hq, splits, d, q.device) if splits > 1 else (out, out)
     split_n = next_pow2(-(-tiles // splits) * cfg.tile_tokens)  # a split's entries, rounded up
     resolve = cfg.resolve_split and routes.direct_resolves(n * hkv, splits, split_n, cfg.programs_per_sm, q.device)
+    defer = cfg.defer_check and resolve and splits > 1
+    inputs = (q, k, v, indices, block_table, token_to_req, positions, seq_lens, scratch)
+    sizes = (row_start, width, block_table.shape[0], block_table.shape[1], k.shape[0], hq, qk_scale, float(v_scale))
+    shared = dict(stride_idx_row=indices.stride(0), stride_scratch_row=scratch.stride(0),
+                  stride_bt=block_table.stride(0), **strides,
+                  G=G, BLOCK_G=max(16, next_pow2(G)), BLOCK_N=cfg.tile_tokens, BLOCK_W=block_w, NUM_SPLITS=splits,
+                  HEAD_DIM=d, BLOCK_SIZE=k.shape[1], KV_FP8=kv_fp8, SAME_KV_STRIDES=same_kv_strides(k, v),
+                  DOT_DTYPE=_dot_dtype(q), HAS_GATE=gate is not None, RETURN_LSE=lse is not None)
     xqa_direct_kernel[(n, hkv, splits)](
-        q, k, v, indices, block_table, token_to_req, positions, seq_lens, scratch, g, out, lse_t,
-        part_acc, part_ml, row_start, width, block_table.shape[0], block_table.shape[1], k.shape[0], hq,
-        qk_scale, float(v_scale),
-        stride_idx_row=indices.stride(0), stride_scratch_row=scratch.stride(0), stride_bt=block_table.stride(0),
-        **strides,
-        G=G, BLOCK_G=max(16, next_pow2(G)), BLOCK_N=cfg.tile_tokens, BLOCK_W=block_w, NUM_SPLITS=splits,
-        PREFETCH=cfg.prefetch and not resolve, SPLIT_N=split_n if resolve else 0, HEAD_DIM=d,
-        BLOCK_SIZE=k.shape[1], KV_FP8=kv_fp8,
-        SAME_KV_STRIDES=same_kv_strides(k, v), DOT_DTYPE=_dot_dtype(q),
-        HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
+        *inputs, g, out, lse_t, part_acc, part_ml, *sizes, **shared,
+        PREFETCH=cfg.prefetch and not resolve, SPLIT_N=split_n if resolve else 0, DEFER_CHECK=defer,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
         # the merge launched early slowed this kernel (H200: decode-64 58.0 -> 61.4 us, mtp-8 16.9 -> 17.9)
         **launch_options(q.device, early_trigger=False),
     )
-    if splits > 1:
+    if defer:
+        from .kernels.xqa import xqa_direct_merge_kernel
+
+        _, warps = routes.merge_config(splits, d)
+        xqa_direct_merge_kernel[(n, hq, 1)](
+            part_acc, part_ml, out, g, lse_t, *inputs, *sizes, **shared, BLOCK_S=next_pow2(splits),
+            num_warps=warps, **launch_options(q.device))
+    elif splits > 1:
         _merge(part_acc, part_ml, out=out, lse=lse, gate=gate, row_offset=row_start, v_scale=v_scale,
                num_splits=splits)
 

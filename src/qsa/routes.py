@@ -87,6 +87,8 @@ class SplitConfig:
     resolve_split: bool = False  # direct xqa: a split's tokens and pages all read before its loop, where
     # ``direct_resolves`` allows (else ``prefetch`` applies)
     max_registers: int | None = None  # register cap per thread (``maxnreg``) on the GPU; None: the compiler's
+    defer_check: bool = False  # direct xqa, resolved splits: each split checks its own positions and the merge
+    # recomputes a row found out of order (``xqa_direct_kernel``'s ``DEFER_CHECK``)
 
 
 @dataclass(frozen=True)
@@ -168,11 +170,20 @@ def xqa_direct_config(G: int, head_dim: int, lists: int = 1, kv_fp8: bool = Fals
     16 lists, and with three programs per SM for an FP8 cache past that. The shipped rule against the old
     one (2026-11-30-0905-direct-register-cap-defaults): mtp-8 14.7 -> 14.3, mtp-8 with an FP8 cache 15.2 ->
     14.8, decode-64 FP8 46.9 -> 40.7; decode-16 FP8 (16 lists) 20.5 either way.
+
+    The row check deferred (``defer_check``, at most ``DIRECT_CAP_LISTS`` lists): each program checks
+    only its split's positions, after its loop, and ``xqa_direct_merge_kernel`` recomputes a row found
+    out of order; the kernel then holds no sort (164-166 registers under the cap, no spill). On the
+    H200, plan + run (us, two alternations of processes, outputs bitwise equal;
+    benchmarks/results/experiments/2026-11-30-1639-direct-deferred-check-nvidia-h200.json): mtp-16
+    17.7-17.8 -> 17.1-17.3, decode-16 23.0 -> 22.7-22.8, mtp-8, mtp-5 and decode-1 0.1 us faster. At 64
+    lists (4 splits of 1024 entries, uncapped) it was slower (decode-64 52.1-52.2 -> 54.9-56.0 in three builds), so
+    there the whole row is still checked before the loop.
     """
     capped = lists <= DIRECT_CAP_LISTS or kv_fp8
     return SplitConfig(tile_tokens=32, num_warps=4, num_stages=3,
                        programs_per_sm=3 if kv_fp8 and lists > DIRECT_CAP_LISTS else 2,
-                       prefetch=lists <= 16, resolve_split=True,
+                       prefetch=lists <= 16, resolve_split=True, defer_check=lists <= DIRECT_CAP_LISTS,
                        max_registers=DIRECT_MAX_REGISTERS if capped else None)
 
 

@@ -324,13 +324,34 @@ def merge_splits_kernel(
     enter_launch(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
-    o_s = tl.arange(0, BLOCK_S)
     o_d = tl.program_id(2).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
+    b_ms, b_ls, b_a = load_split_partials(part_acc_ptr, part_ml_ptr, i_r, i_h, o_d, Hq, NUM_SPLITS, BLOCK_S,
+                                          HEAD_DIM)
+    merge_split_partials(b_ms, b_ls, b_a, i_r + row_offset, i_h, o_d, out_ptr, gate_ptr, lse_ptr, v_scale,
+                         stride_o_row, stride_o_head, stride_g_row, stride_g_head, stride_lse_row, HAS_GATE,
+                         RETURN_LSE)
+
+
+@triton.jit
+def load_split_partials(part_acc_ptr, part_ml_ptr, i_r, i_h, o_d, Hq, NUM_SPLITS: tl.constexpr,
+                        BLOCK_S: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """(max, sum, accumulator columns ``o_d``) of every split of head ``i_h`` of partial row ``i_r``, all
+    loaded at once (the accumulators do not wait on the sums); splits past ``NUM_SPLITS`` read as
+    (-inf, 0, 0)."""
+    o_s = tl.arange(0, BLOCK_S)
     o_part = (i_r * Hq + i_h) * NUM_SPLITS + o_s
     m_s = o_s < NUM_SPLITS
     b_ms = tl.load(part_ml_ptr + o_part * 2, mask=m_s, other=float("-inf"))
     b_ls = tl.load(part_ml_ptr + o_part * 2 + 1, mask=m_s, other=0.0)
     b_a = tl.load(part_acc_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], mask=m_s[:, None], other=0.0)
+    return b_ms, b_ls, b_a
+
+
+@triton.jit
+def merge_split_partials(b_ms, b_ls, b_a, i_row, i_h, o_d, out_ptr, gate_ptr, lse_ptr, v_scale, stride_o_row,
+                         stride_o_head, stride_g_row, stride_g_head, stride_lse_row, HAS_GATE: tl.constexpr,
+                         RETURN_LSE: tl.constexpr):
+    """Reduce loaded splits (``load_split_partials``) by the fixed tree and store output row ``i_row``."""
     # A split that attended nothing stored (-inf, 0) and zeros: weight 0.
     m_used = b_ls > 0
     b_m = tl.max(tl.where(m_used, b_ms, float("-inf")), 0)
@@ -338,6 +359,6 @@ def merge_splits_kernel(
     b_l = tl.sum(b_ls * b_w, 0, keep_dims=True)
     b_acc = tl.sum(b_a * b_w[:, None], 0, keep_dims=True)
     o_one = tl.zeros([1], tl.int64)
-    store_output(b_acc, o_one.to(tl.float32) + b_m, b_l, o_one + i_r + row_offset, o_one + i_h, o_one == 0, o_d,
+    store_output(b_acc, o_one.to(tl.float32) + b_m, b_l, o_one + i_row, o_one + i_h, o_one == 0, o_d,
                  out_ptr, gate_ptr, lse_ptr, v_scale, stride_o_row, stride_o_head, stride_g_row, stride_g_head,
                  stride_lse_row, HAS_GATE, RETURN_LSE)

@@ -3,13 +3,14 @@ fixed positions into splits, partials combined by ``merge_splits_kernel``.
 
 Two kernels: ``xqa_attention_kernel`` reads the page4 single-row plan (microblocks, built by the
 planner's own launch); ``xqa_direct_kernel`` builds each row's token list from ``indices`` itself, for
-small batches whose rows come sorted (no plan launch)."""
+small batches whose rows come sorted (no plan launch). With its row check deferred, the direct kernel's
+splits are merged by ``xqa_direct_merge_kernel``, which also recomputes a row found out of order."""
 
 import triton
 import triton.language as tl
 
-from .common import (attend_tile, attend_tokens, enter_launch, load_kv_tile, split_range,
-                     store_result)
+from .common import (attend_tile, attend_tokens, enter_launch, load_kv_tile, load_split_partials,
+                     merge_split_partials, split_range, store_partial, store_result)
 from .plan import INT32_MAX, _row_setup
 
 
@@ -127,6 +128,33 @@ def _table_safe(b_t, pos, row_ok, max_blocks, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _ascending_limit(pos, row_ok, max_blocks, BLOCK_SIZE: tl.constexpr):
+    """The row check's bound: ``_table_safe`` keeps exactly the tokens with unsigned ``t < limit``."""
+    lim = tl.where(row_ok, tl.minimum(tl.minimum(pos + 1, tl.cast(max_blocks, tl.int64) * BLOCK_SIZE), INT32_MAX), 0)
+    return lim.to(tl.uint32)
+
+
+@triton.jit
+def _previous_entries(p_idx, o_pos, n_pos):
+    """The entry before each position ``o_pos`` (< ``n_pos``) of the row, as unsigned numbers (for
+    ``_split_ascends``)."""
+    m_in = (o_pos >= 1) & (o_pos < n_pos)
+    return tl.load(p_idx + o_pos - 1, mask=m_in, other=0).to(tl.uint32, bitcast=True)
+
+
+@triton.jit
+def _split_ascends(b_t, u_prev, o_pos, n_pos, u_lim):
+    """The row check (``_direct_row_list``) of positions ``o_pos`` alone: each entry ``b_t`` (read at
+    ``o_pos < n_pos``) against the entry before it (``_previous_entries``). A row ascends iff every
+    position passes, and the splits' positions cover the row, with each split's first position compared
+    to the last of the split before: so the row ascends iff every split's check passes."""
+    m_in = (o_pos >= 1) & (o_pos < n_pos)
+    u_t = b_t.to(tl.uint32, bitcast=True)
+    m_ok = ~m_in | (u_t >= u_lim) | (u_prev < u_t)
+    return tl.min(m_ok.to(tl.int32), 0) != 0
+
+
+@triton.jit
 def _direct_row_list(
     p_idx,  # the row of ``indices``: [W] int32 token indices
     p_scratch,  # the row's scratch row: [>= BLOCK_W] int32
@@ -156,10 +184,10 @@ def _direct_row_list(
     # instead of the keep rule's six with its 64-bit position: on the H200 the check took ~0.5 us off
     # mtp-16 (18.5 -> 17.9 us), decode-16 and decode-64 (benchmarks/results/experiments/
     # 2026-11-30-1006-direct-row-check-nvidia-h200.json).
-    lim = tl.where(row_ok, tl.minimum(tl.minimum(pos + 1, tl.cast(max_blocks, tl.int64) * BLOCK_SIZE), INT32_MAX), 0)
+    u_lim = _ascending_limit(pos, row_ok, max_blocks, BLOCK_SIZE)
     u_t = b_t.to(tl.uint32, bitcast=True)
     u_prev = tl.gather(u_t, tl.maximum(o_w - 1, 0), 0)
-    m_ok = (o_w == 0) | (u_t >= lim.to(tl.uint32)) | (u_prev < u_t)
+    m_ok = (o_w == 0) | (u_t >= u_lim) | (u_prev < u_t)
     p_list = p_idx
     n_list = W
     ascending = tl.min(m_ok.to(tl.int32), 0) != 0
@@ -240,6 +268,7 @@ def xqa_direct_kernel(
     DOT_DTYPE: tl.constexpr,
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    DEFER_CHECK: tl.constexpr = False,  # (SPLIT_N > 0, NUM_SPLITS > 1) check only the split's positions
     PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """xqa without a planner launch: each program takes its split of the W positions of its row's
@@ -247,7 +276,12 @@ def xqa_direct_kernel(
     ``_direct_row_list``), and gathers K/V token by token through the block table, dropping tokens the
     row does not keep and tokens whose table entry is not a block of the cache. With ``SPLIT_N`` the
     program reads all of its split's tokens and pages before its loop and each tile takes its own from
-    registers; otherwise each tile loads its own (``PREFETCH``: one tile ahead)."""
+    registers; otherwise each tile loads its own (``PREFETCH``: one tile ahead).
+
+    With ``DEFER_CHECK`` a program checks only its split's positions (``_split_ascends``) and attends
+    the split as given; a split that fails stores the sum -1 in its partial, and the merge
+    (``xqa_direct_merge_kernel``) recomputes every split of such a row from its sorted list. The row
+    check and the sort leave this kernel: no program checks the whole row before its first K/V load."""
     enter_launch(PDL)
     i_local = tl.program_id(0).to(tl.int64)
     i_kvh = tl.program_id(1).to(tl.int64)
@@ -274,21 +308,27 @@ def xqa_direct_kernel(
         # load of its own tile and the pipeline can issue them num_stages - 1 tiles ahead.
         o_s = tl.arange(0, SPLIT_N)
         n_split = tl.minimum(W, tile_end * BLOCK_N)
+        if DEFER_CHECK:  # loaded first, so that they do not wait behind the table loads
+            u_prev = _previous_entries(p_idx, tile_start * BLOCK_N + o_s, n_split)
         b_ts, b_ps = _list_entries(p_idx, tile_start * BLOCK_N + o_s, n_split, p_bt, pos, seq_len, row_ok,
                                    max_blocks, BLOCK_SIZE)
     elif PREFETCH:  # the first tile's entries, read from the row as given while the row is checked
         b_t_next, b_phys_next = _list_entries(p_idx, tile_start * BLOCK_N + o_n, W, p_bt, pos, seq_len, row_ok,
                                               max_blocks, BLOCK_SIZE)
-    p_list, n_list, ascending = _direct_row_list(p_idx, scratch_ptr + i_r * stride_scratch_row, pos, row_ok, W,
-                                                 max_blocks, BLOCK_SIZE, BLOCK_W)
-    if SPLIT_N > 0:
-        if not ascending:
-            b_ts, b_ps = _list_entries(p_list, tile_start * BLOCK_N + o_s, tl.minimum(n_list, tile_end * BLOCK_N),
-                                       p_bt, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
-    elif PREFETCH:
-        if not ascending:
-            b_t_next, b_phys_next = _list_entries(p_list, tile_start * BLOCK_N + o_n, n_list, p_bt, pos,
-                                                  seq_len, row_ok, max_blocks, BLOCK_SIZE)
+    if DEFER_CHECK:
+        tl.static_assert(SPLIT_N > 0 and NUM_SPLITS > 1, "DEFER_CHECK needs resolved splits")
+    else:
+        p_list, n_list, ascending = _direct_row_list(p_idx, scratch_ptr + i_r * stride_scratch_row, pos, row_ok,
+                                                     W, max_blocks, BLOCK_SIZE, BLOCK_W)
+        if SPLIT_N > 0:
+            if not ascending:
+                b_ts, b_ps = _list_entries(p_list, tile_start * BLOCK_N + o_s,
+                                           tl.minimum(n_list, tile_end * BLOCK_N), p_bt, pos, seq_len, row_ok,
+                                           max_blocks, BLOCK_SIZE)
+        elif PREFETCH:
+            if not ascending:
+                b_t_next, b_phys_next = _list_entries(p_list, tile_start * BLOCK_N + o_n, n_list, p_bt, pos,
+                                                      seq_len, row_ok, max_blocks, BLOCK_SIZE)
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
@@ -312,7 +352,139 @@ def xqa_direct_kernel(
         b_m, b_l, b_acc = attend_tokens(b_q, b_t, b_phys, m_n, m_row, i_kvh, k_ptr, v_ptr, o_d, b_m, b_l, b_acc,
                                         qk_scale, stride_k_block, stride_k_tok, stride_k_head, stride_v_block,
                                         stride_v_tok, stride_v_head, BLOCK_SIZE, SAME_KV_STRIDES, KV_FP8, DOT_DTYPE)
+    if DEFER_CHECK:
+        # Checked after the loop, which does not wait for it: a split that fails stores the sum -1, and
+        # the merge recomputes the row (a sum is never negative).
+        ascending = _split_ascends(b_ts, u_prev, tile_start * BLOCK_N + o_s, n_split,
+                                   _ascending_limit(pos, row_ok, max_blocks, BLOCK_SIZE))
+        b_l = tl.where(ascending, b_l, -1.0)
 
     store_result(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, o_row - row_offset, i_split, out_ptr, gate_ptr,
                  lse_ptr, part_acc_ptr, part_ml_ptr, v_scale, Hq, stride_o_row, stride_o_head, stride_g_row,
                  stride_g_head, stride_lse_row, NUM_SPLITS, HEAD_DIM, HAS_GATE, RETURN_LSE)
+
+
+@triton.jit(noinline=True)  # out of line: inlined, it made the merge 0.5-1 us slower (H200)
+def _recompute_splits(q_ptr, k_ptr, v_ptr, idx_ptr, bt_ptr, req_ptr, pos_ptr, seq_lens_ptr, scratch_ptr,
+                      part_acc_ptr, part_ml_ptr, i_local, i_h, row_offset, W, num_reqs, max_blocks, num_blocks, Hq,
+                      qk_scale, stride_q_row, stride_q_head, stride_k_block, stride_k_tok, stride_k_head,
+                      stride_v_block, stride_v_tok, stride_v_head, stride_idx_row, stride_scratch_row, stride_bt,
+                      G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                      NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+                      KV_FP8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Every split of partial row ``i_local``, attended again from its sorted list as
+    ``xqa_direct_kernel`` attends a row out of order (its tiles and steps, tile by tile), stored for
+    head ``i_h`` only."""
+    i_r = i_local + row_offset
+    i_kvh = i_h // G
+    o_m = tl.arange(0, BLOCK_G)
+    o_head = i_kvh * G + o_m
+    m_row = o_m < G
+    o_row = tl.zeros([BLOCK_G], tl.int64) + i_local
+    req, pos, seq_len, row_ok = _row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs)
+    p_bt = bt_ptr + req * stride_bt
+    p_q = q_ptr + i_r * stride_q_row + o_head[:, None] * stride_q_head + tl.arange(0, HEAD_DIM)[None, :]
+    b_q = tl.load(p_q, mask=m_row[:, None], other=0).to(DOT_DTYPE)
+    p_list, n_list, ascending = _direct_row_list(idx_ptr + i_r * stride_idx_row,
+                                                 scratch_ptr + i_r * stride_scratch_row, pos, row_ok, W,
+                                                 max_blocks, BLOCK_SIZE, BLOCK_W)
+    o_n = tl.arange(0, BLOCK_N)
+    o_c = tl.arange(0, HEAD_DIM)
+    for i_split in range(NUM_SPLITS):
+        tile_start, tile_end = split_range(tl.cdiv(W, BLOCK_N), i_split, NUM_SPLITS)
+        b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        b_l = tl.zeros([BLOCK_G], tl.float32)
+        b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        for i_t in range(tile_start, tile_end):
+            b_t, b_phys = _list_entries(p_list, i_t * BLOCK_N + o_n, n_list, p_bt, pos, seq_len, row_ok,
+                                        max_blocks, BLOCK_SIZE)
+            m_n = (b_phys >= 0) & (b_phys < num_blocks)
+            b_m, b_l, b_acc = attend_tokens(b_q, b_t, b_phys, m_n, m_row, i_kvh, k_ptr, v_ptr, o_c, b_m, b_l,
+                                            b_acc, qk_scale, stride_k_block, stride_k_tok, stride_k_head,
+                                            stride_v_block, stride_v_tok, stride_v_head, BLOCK_SIZE,
+                                            SAME_KV_STRIDES, KV_FP8, DOT_DTYPE)
+        store_partial(b_acc, b_m, b_l, o_row, o_head, m_row & (o_head == i_h), o_c, i_split, part_acc_ptr,
+                      part_ml_ptr, Hq, NUM_SPLITS, HEAD_DIM)
+
+
+@triton.jit
+def xqa_direct_merge_kernel(
+    part_acc_ptr,  # [n, Hq, NUM_SPLITS, D] fp32
+    part_ml_ptr,  # [n, Hq, NUM_SPLITS, 2] fp32
+    out_ptr,  # [rows, Hq, D]
+    gate_ptr,  # [rows, Hq, D] or unused
+    lse_ptr,  # [rows, Hq] fp32 or unused
+    # xqa_direct_kernel's inputs, for a row whose splits found it out of order:
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    idx_ptr,
+    bt_ptr,
+    req_ptr,
+    pos_ptr,
+    seq_lens_ptr,
+    scratch_ptr,
+    row_offset,
+    W,
+    num_reqs,
+    max_blocks,
+    num_blocks,
+    Hq,
+    qk_scale,
+    v_scale,
+    stride_q_row,
+    stride_q_head,
+    stride_k_block,
+    stride_k_tok,
+    stride_k_head,
+    stride_v_block,
+    stride_v_tok,
+    stride_v_head,
+    stride_idx_row,
+    stride_scratch_row,
+    stride_bt,
+    stride_o_row,
+    stride_o_head,
+    stride_g_row,
+    stride_g_head,
+    stride_lse_row,
+    G: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # power of two >= NUM_SPLITS
+    HEAD_DIM: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
+):
+    """``merge_splits_kernel`` (one program per row and head, all columns) for ``xqa_direct_kernel`` with
+    ``DEFER_CHECK``. A row none of whose splits stored a negative sum ascends and is merged as it is.
+    Any other row is sorted (``_direct_row_list``), and each of its splits is attended again from the
+    sorted list, tile by tile, with the direct kernel's tiles and steps: the partials are bitwise those
+    that the direct kernel computes for an unsorted row without the deferred check. The program stores
+    them for its own head, then merges them as it would have merged the direct kernel's."""
+    enter_launch(PDL)
+    i_local = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1).to(tl.int64)
+    o_d = tl.program_id(2).to(tl.int64) * HEAD_DIM + tl.arange(0, HEAD_DIM)  # grid axis 2: one program
+    b_ms, b_ls, b_a = load_split_partials(part_acc_ptr, part_ml_ptr, i_local, i_h, o_d, Hq, NUM_SPLITS, BLOCK_S,
+                                          HEAD_DIM)
+    if tl.min(b_ls, 0) < 0:
+        _recompute_splits(q_ptr, k_ptr, v_ptr, idx_ptr, bt_ptr, req_ptr, pos_ptr, seq_lens_ptr, scratch_ptr,
+                          part_acc_ptr, part_ml_ptr, i_local, i_h, row_offset, W, num_reqs, max_blocks, num_blocks,
+                          Hq, qk_scale, stride_q_row, stride_q_head, stride_k_block, stride_k_tok, stride_k_head,
+                          stride_v_block, stride_v_tok, stride_v_head, stride_idx_row, stride_scratch_row,
+                          stride_bt, G, BLOCK_G, BLOCK_N, BLOCK_W, NUM_SPLITS, HEAD_DIM, BLOCK_SIZE, KV_FP8,
+                          SAME_KV_STRIDES, DOT_DTYPE)
+        tl.debug_barrier()  # the partials are written before they are read back
+        b_ms, b_ls, b_a = load_split_partials(part_acc_ptr, part_ml_ptr, i_local, i_h, o_d, Hq, NUM_SPLITS,
+                                              BLOCK_S, HEAD_DIM)
+    merge_split_partials(b_ms, b_ls, b_a, i_local + row_offset, i_h, o_d, out_ptr, gate_ptr, lse_ptr, v_scale,
+                         stride_o_row, stride_o_head, stride_g_row, stride_g_head, stride_lse_row, HAS_GATE,
+                         RETURN_LSE)
