@@ -195,7 +195,7 @@ def check_merge_and_planner_kernels():
     compile_sm90(xqa_direct_merge_kernel, direct,
                  dict(G=6, BLOCK_G=16, BLOCK_N=32, BLOCK_W=routes.DIRECT_MAX_WIDTH, NUM_SPLITS=17, BLOCK_S=32,
                       HEAD_DIM=256, BLOCK_SIZE=16, KV_FP8=False, SAME_KV_STRIDES=True, DOT_DTYPE=tl.float16,
-                      HAS_GATE=True, RETURN_LSE=True),
+                      HAS_GATE=True, RETURN_LSE=True, BLOCK_D=256),
                  floats=("qk_scale", "v_scale"), num_warps=4)
     rows = {"idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32",
             "ids_ptr": "*i32", "masks_ptr": "*u8", "counts_ptr": "*i32", "unsorted_ptr": "*i32",

@@ -182,6 +182,16 @@ def _split_inner_pairs_only(b_t, u_prev, o_pos, n_pos, u_lim):
     return tl.min((~m_in | (u_t >= u_lim) | (u_prev < u_t)).to(tl.int32), 0) != 0
 
 
+def test_deferred_merge_by_column_blocks(monkeypatch):
+    """The deferred merge with two column programs per head (``merge_config``), on rows out of order across
+    a split boundary (each column program recomputes the row and stores the same partials): bitwise the
+    same as one program per head."""
+    case, _ = split_boundary_case()
+    whole = run_direct(case, splits=2, defer_check=True)
+    monkeypatch.setattr(routes, "merge_config", lambda splits, d: (d // 2, 2))
+    _assert_bitwise(whole, run_direct(case, splits=2, defer_check=True), "two column programs per head")
+
+
 def test_deferred_check_without_the_boundary_is_caught(monkeypatch):
     """The test above rejects a split check that skips the boundary."""
     import qsa.kernels.xqa as kx

@@ -195,10 +195,10 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
     if defer:
         from .kernels.xqa import xqa_direct_merge_kernel
 
-        _, warps = routes.merge_config(splits, d)
-        xqa_direct_merge_kernel[(n, hq, 1)](
+        block_d, warps = routes.merge_config(splits, d)
+        xqa_direct_merge_kernel[(n, hq, d // block_d)](
             part_acc, part_ml, out, g, lse_t, *inputs, *sizes, **shared, BLOCK_S=next_pow2(splits),
-            num_warps=warps, **launch_options(q.device))
+            BLOCK_D=block_d, num_warps=warps, **launch_options(q.device))
     elif splits > 1:
         _merge(part_acc, part_ml, out=out, lse=lse, gate=gate, row_offset=row_start, v_scale=v_scale,
                num_splits=splits)

@@ -461,18 +461,20 @@ def xqa_direct_merge_kernel(
     DOT_DTYPE: tl.constexpr,
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # columns per program (a divisor of HEAD_DIM); grid axis 2 = HEAD_DIM // BLOCK_D
     PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
-    """``merge_splits_kernel`` (one program per row and head, all columns) for ``xqa_direct_kernel`` with
+    """``merge_splits_kernel`` (one program per row, head and ``BLOCK_D`` columns) for ``xqa_direct_kernel`` with
     ``DEFER_CHECK``. A row none of whose splits stored a negative sum ascends and is merged as it is.
     Any other row is sorted (``_direct_row_list``), and each of its splits is attended again from the
     sorted list, tile by tile, with the direct kernel's tiles and steps: the partials are bitwise those
     that the direct kernel computes for an unsorted row without the deferred check. The program stores
-    them for its own head, then merges them as it would have merged the direct kernel's."""
+    them for its own head (all columns: a head's column programs store the same values), then merges them
+    as it would have merged the direct kernel's."""
     enter_launch(PDL)
     i_local = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
-    o_d = tl.program_id(2).to(tl.int64) * HEAD_DIM + tl.arange(0, HEAD_DIM)  # grid axis 2: one program
+    o_d = tl.program_id(2).to(tl.int64) * BLOCK_D + tl.arange(0, BLOCK_D)
     b_ms, b_ls, b_a = load_split_partials(part_acc_ptr, part_ml_ptr, i_local, i_h, o_d, Hq, NUM_SPLITS, BLOCK_S,
                                           HEAD_DIM)
     if tl.min(b_ls, 0) < 0:
