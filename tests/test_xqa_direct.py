@@ -2,6 +2,8 @@
 against the references on sorted rows (its fast path) and on any other rows (its in-kernel sort),
 bitwise the same for both orders and under page moves, and chosen only where admission says."""
 
+import dataclasses
+
 import pytest
 import torch
 import triton
@@ -432,3 +434,52 @@ def test_direct_register_cap_and_programs_per_sm(monkeypatch):
         check(case, run_direct(case, splits=None,
                                config=routes.xqa_direct_config(2, 16, 3, kv_fp8=kv_cache_dtype != "auto")))
         assert seen == [want], (cap_lists, kv_cache_dtype, seen)
+
+
+def test_direct_merge_launch_settings(monkeypatch):
+    """The direct kernel lets the next kernel begin launching at its start only with the deferred check;
+    the deferred merge is then capped at ``DIRECT_MAX_REGISTERS`` where the direct launch fills its
+    programs per SM (``routes.direct_merge_registers``), so that its programs can wait beside the
+    direct kernel's, and launched uncapped otherwise. Exact either way."""
+    import qsa.kernels.xqa as kx
+
+    triggers, merges = [], []
+    real_options = attention.launch_options
+    monkeypatch.setattr(attention, "launch_options",
+                        lambda dev, **kw: triggers.append(kw.get("early_trigger", True)) or real_options(dev, **kw))
+
+    class Spy:
+        def __init__(self, kernel, record):
+            self.kernel, self.record = kernel, record
+
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                self.record(grid, kw)
+                return self.kernel[grid](*args, **kw)
+            return launch
+
+    direct = []
+    monkeypatch.setattr(kx, "xqa_direct_kernel",
+                        Spy(kx.xqa_direct_kernel, lambda g, kw: direct.append((g[0] * g[1] * g[2], kw["DEFER_CHECK"]))))
+    monkeypatch.setattr(kx, "xqa_direct_merge_kernel",
+                        Spy(kx.xqa_direct_merge_kernel, lambda g, kw: merges.append(kw.get("maxnreg"))))
+    case = make_attention_case(rows=3, num_reqs=1, num_q_heads=2, num_kv_heads=1, head_dim=16, width=700,
+                               max_seq_len=900, padding_rows=0, seed=30)
+    case.indices = ascending_rows(case.indices)
+    caps = set()
+    for sm_count in (1, 2, 4, 8):
+        monkeypatch.setattr(routes, "device_facts", lambda dev, n=sm_count: dict(kind="cuda", sm_count=n))
+        for defer, splits in ((False, None), (True, None), (True, 2)):  # 2 splits: 6 programs
+            triggers.clear(), merges.clear(), direct.clear()
+            config = dataclasses.replace(routes.xqa_direct_config(2, 16, 3), defer_check=defer)
+            check(case, run_direct(case, splits=splits, config=config))
+            (programs, deferred), = direct
+            assert deferred == (defer and programs > 3), (sm_count, defer, programs)  # deferred with splits
+            assert triggers[0] is deferred, (sm_count, defer, triggers)  # the direct kernel's launch
+            if deferred:
+                want = routes.DIRECT_MAX_REGISTERS if programs >= config.programs_per_sm * sm_count else None
+                assert merges == [want], (sm_count, programs, merges)
+                caps.add(want)
+            else:
+                assert merges == []
+    assert caps == {routes.DIRECT_MAX_REGISTERS, None}  # both settings were launched

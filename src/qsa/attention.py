@@ -189,16 +189,22 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
         PREFETCH=cfg.prefetch and not resolve, SPLIT_N=split_n if resolve else 0, DEFER_CHECK=defer,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
-        # the merge launched early slowed this kernel (H200: decode-64 58.0 -> 61.4 us, mtp-8 16.9 -> 17.9)
-        **launch_options(q.device, early_trigger=False),
+        # The merge launched as this kernel starts, only with the deferred check (164-166 registers: the
+        # merge's programs can wait beside it). On the H200, plan + run: mtp-16 16.94-17.44 -> 16.85-16.99
+        # us, but decode-64 (the whole-row check, 210 registers) 52.1-52.7 -> 53.2-53.5, as for every
+        # direct kernel before the deferral (decode-64 58.0 -> 61.4); with the trigger for the deferred
+        # check only, mtp-16 16.99-17.44 -> 16.90-17.25, mtp-5 and decode-1 0.4-0.5 us faster
+        # (benchmarks/results/experiments/2026-11-30-1819-direct-step-variants, -1832-direct-early-merge).
+        **launch_options(q.device, early_trigger=defer),
     )
     if defer:
         from .kernels.xqa import xqa_direct_merge_kernel
 
         block_d, warps = routes.merge_config(splits, d)
+        cap = routes.direct_merge_registers(n * hkv * splits, cfg.programs_per_sm, q.device)
         xqa_direct_merge_kernel[(n, hq, d // block_d)](
             part_acc, part_ml, out, g, lse_t, *inputs, *sizes, **shared, BLOCK_S=next_pow2(splits),
-            BLOCK_D=block_d, num_warps=warps, **launch_options(q.device))
+            BLOCK_D=block_d, num_warps=warps, **({"maxnreg": cap} if cap else {}), **launch_options(q.device))
     elif splits > 1:
         _merge(part_acc, part_ml, out=out, lse=lse, gate=gate, row_offset=row_start, v_scale=v_scale,
                num_splits=splits)

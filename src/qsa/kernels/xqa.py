@@ -144,10 +144,11 @@ def _previous_entries(p_idx, o_pos, n_pos):
 
 @triton.jit
 def _split_ascends(b_t, u_prev, o_pos, n_pos, u_lim):
-    """The row check (``_direct_row_list``) of positions ``o_pos`` alone: each entry ``b_t`` (read at
-    ``o_pos < n_pos``) against the entry before it (``_previous_entries``). A row ascends iff every
-    position passes, and the splits' positions cover the row, with each split's first position compared
-    to the last of the split before: so the row ascends iff every split's check passes."""
+    """The row check of positions ``o_pos``: each entry ``b_t`` (read at ``o_pos < n_pos``) against the
+    entry before it (``u_prev``, from ``_previous_entries`` or the row itself). ``_direct_row_list``
+    checks the whole row with it. A row ascends iff every position passes, and the splits' positions
+    cover the row, with each split's first position compared to the last of the split before: so the
+    row ascends iff every split's check passes (the deferred check)."""
     m_in = (o_pos >= 1) & (o_pos < n_pos)
     u_t = b_t.to(tl.uint32, bitcast=True)
     m_ok = ~m_in | (u_t >= u_lim) | (u_prev < u_t)
@@ -185,12 +186,10 @@ def _direct_row_list(
     # mtp-16 (18.5 -> 17.9 us), decode-16 and decode-64 (benchmarks/results/experiments/
     # 2026-11-30-1006-direct-row-check-nvidia-h200.json).
     u_lim = _ascending_limit(pos, row_ok, max_blocks, BLOCK_SIZE)
-    u_t = b_t.to(tl.uint32, bitcast=True)
-    u_prev = tl.gather(u_t, tl.maximum(o_w - 1, 0), 0)
-    m_ok = (o_w == 0) | (u_t >= u_lim) | (u_prev < u_t)
+    u_prev = tl.gather(b_t.to(tl.uint32, bitcast=True), tl.maximum(o_w - 1, 0), 0)
     p_list = p_idx
     n_list = W
-    ascending = tl.min(m_ok.to(tl.int32), 0) != 0
+    ascending = _split_ascends(b_t, u_prev, o_w, W, u_lim)
     if not ascending:
         b_key = tl.where(_table_safe(b_t, pos, row_ok, max_blocks, BLOCK_SIZE), b_t, INT32_MAX)
         b_key = tl.sort(b_key)
