@@ -201,12 +201,14 @@ def direct_merge_registers(programs: int, programs_per_sm: int, device: torch.de
 
     The deferred merge is launched as the direct kernel starts (programmatic dependent launch) and
     waits for it; its programs can wait beside the direct kernel's only where registers are left. It
-    takes 255 per thread uncapped (its recompute path), 168 capped (spilling there only), which fits
-    beside two direct programs of at most 168. Capped where the direct launch fills its programs per SM,
-    on the H200 (plan + run, us, two alternations; benchmarks/results/experiments/
-    2026-11-30-1838-direct-merge-register-cap-nvidia-h200.json): mtp-16 16.77-16.86 -> 16.64-16.74, mtp-8
-    14.05-14.38 -> 13.98-14.05, decode-16 level; where programs are left free it was slower (mtp-5, 165
-    programs, 13.31-13.41 -> 13.63-13.79; decode-1 11.30-11.36 -> 11.55-12.05), so there it is not."""
+    takes 255 per thread uncapped (its recompute path), 168 capped, which fits beside two direct programs
+    of at most 168. Capped, ptxas spills in the recompute and saves 13 register pairs to local memory on
+    the common path before its branch to it (one pair uncapped; sm_90 SASS). Capped where the direct
+    launch fills its programs per SM, on the H200 (plan + run, us, two alternations;
+    benchmarks/results/experiments/2026-11-30-1838-direct-merge-register-cap-nvidia-h200.json): mtp-16
+    16.77-16.86 -> 16.64-16.74, mtp-8 14.05-14.38 -> 13.98-14.05, decode-16 level; where programs are
+    left free it was slower (mtp-5, 165 programs, 13.31-13.41 -> 13.63-13.79; decode-1 11.30-11.36 ->
+    11.55-12.05), so there it is not."""
     facts = device_facts(str(device))
     if facts["kind"] != "cuda" or programs < programs_per_sm * facts["sm_count"]:
         return None
