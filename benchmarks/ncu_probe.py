@@ -29,6 +29,8 @@ def main(argv=None) -> int:
     p.add_argument("scenario")
     p.add_argument("--route", default="auto", help="route of the plan (default: auto)")
     p.add_argument("--calls", type=int, default=4)
+    p.add_argument("--unsorted", action="store_true",
+                   help="plan without rows_sorted=True (the benchmark passes it: its rows come from select_tokens)")
     p.add_argument("--device", default="cuda")
     args = p.parse_args(argv)
     by_name = {s.name: s for s in SCENARIOS}
@@ -41,7 +43,8 @@ def main(argv=None) -> int:
     out = torch.empty_like(w.q)
     for _ in range(args.calls):
         plan = plan_attention(w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens,
-                              block_size=c.block_size, num_blocks=c.num_blocks, route=args.route, **shape)
+                              block_size=c.block_size, num_blocks=c.num_blocks, route=args.route,
+                              rows_sorted=not args.unsorted, **shape)
         run_attention(plan, w.q, c.k, c.v, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
                       v_scale=c.v_scale, out=out)
     if out.is_cuda:
