@@ -62,8 +62,10 @@ SPLIT = [  # tile_tokens, num_warps, num_stages, programs_per_sm, prefetch (spli
 DIRECT_RESOLVED = [  # the direct kernel with each split's entries read before its loop (SplitConfig's sixth
     # field, resolve_split; routes.direct_resolves still decides where): the shipped settings and their
     # neighbours; the eighth field, defer_check, checks each split's positions after its loop (the shipped
-    # setting for at most 16 lists, with the 168-register cap)
-    (32, 4, 3, 2, False, True, 168, True), (32, 4, 3, 2, False, True), (32, 4, 2, 2, False, True),
+    # setting for at most 16 lists, with the 168-register cap); the ninth, qk_halves, takes the scores over
+    # the head's column halves (shipped at head_dim 256)
+    (32, 4, 3, 2, False, True, 168, True, True), (32, 4, 3, 2, False, True, 168, True),
+    (32, 4, 3, 2, False, True, None, False, True), (32, 4, 3, 2, False, True), (32, 4, 2, 2, False, True),
     (32, 4, 4, 2, False, True), (16, 4, 3, 2, False, True), (64, 4, 3, 2, False, True), (32, 4, 3, 1, False, True),
     (32, 4, 4, 2, False, True, 168, True), (16, 4, 3, 2, False, True, 168, True),
 ]

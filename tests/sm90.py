@@ -153,16 +153,16 @@ def check_single_row_kernel(route, cache):
         split_n = {"xqa-direct-64": 512 if fp8 else 1024, "xqa-direct-128": 2048}.get(route, 64)
         split_n = split_n if cfg.resolve_split else 0
         cx = dict(BLOCK_N=cfg.tile_tokens, BLOCK_W=routes.DIRECT_MAX_WIDTH, PREFETCH=cfg.prefetch and not split_n,
-                  SPLIT_N=split_n, DEFER_CHECK=cfg.defer_check and split_n > 0)
+                  SPLIT_N=split_n, DEFER_CHECK=cfg.defer_check and split_n > 0, HALVES=cfg.qk_halves)
     elif route == "xqa":
         kernel = xqa_attention_kernel
         ptrs.update(ids_ptr="*i32", masks_ptr="*u8", counts_ptr="*i32")
-        cx = dict(MB=cfg.tile_tokens // 4, PREFETCH=cfg.prefetch)
+        cx = dict(MB=cfg.tile_tokens // 4, PREFETCH=cfg.prefetch, HALVES=cfg.qk_halves)
     else:
         kernel = splitk_attention_kernel
         ptrs.update(tok_ptr="*i32", tok_counts_ptr="*i32", bt_ptr="*i32", req_ptr="*i32")
         cx = dict(BLOCK_N=cfg.tile_tokens)
-    _, usage = compile_sm90(kernel, ptrs, dict(G=6, BLOCK_G=16, NUM_SPLITS=4, KV_FP8=cache == "u8",
+    compiled, usage = compile_sm90(kernel, ptrs, dict(G=6, BLOCK_G=16, NUM_SPLITS=4, KV_FP8=cache == "u8",
                                                SAME_KV_STRIDES=True,
                                                DOT_DTYPE=tl.float16, **cx, **FLAGS),
                             floats=("qk_scale", "v_scale"), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -174,9 +174,37 @@ def check_single_row_kernel(route, cache):
         # The programs per SM that the split count assumes fit.
         assert_resident(cfg.programs_per_sm, cfg.num_warps, usage, (route, cache, cfg))
         if cfg.max_registers is None or cx["DEFER_CHECK"]:  # deferred: no row check or sort in the kernel
-            assert usage["stack"] == 0 and usage["spills"] == 0, usage
+            # Capped with an FP8 cache and the score halves, ptxas keeps one register pair on the stack (a
+            # store and a load, outside the loop); nothing else spills.
+            pair = cache == "u8" and cfg.qk_halves and cfg.max_registers is not None
+            assert usage["stack"] <= (8 if pair else 0) and usage["spills"] <= (2 if pair else 0), usage
         assert usage["loop_spills"] == 0, (route, cache, usage)  # capped: spills only outside the loop
+    if route.startswith("xqa"):
+        # With the scores over column halves (routes: head_dim 256, planned and direct alike), each warp's
+        # [16, 32] score tile is two independent chains of 8 mma steps, not one of 16 (the products are not
+        # folded into one).
+        assert qk_chain_depth(compiled) == (8 if cfg.qk_halves else 16), (route, cache, cfg)
     return usage
+
+
+def qk_chain_depth(compiled) -> int:
+    """The longest run of dependent ``HMMA`` steps (each accumulating the one before) in the sm_90 SASS:
+    the score product's chain, the deepest of the kernel's."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(compiled.asm["cubin"])
+        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
+    depth = {}  # register -> length of the chain of HMMA steps that last wrote it (0: another instruction)
+    longest = 0
+    for op, dst, rest in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s+(R\d+)([^;]*);", sass):
+        if op.startswith("HMMA"):
+            acc = rest.split(",")[-1].strip()
+            depth[dst] = depth.get(acc, 0) + 1
+            longest = max(longest, depth[dst])
+        else:
+            depth[dst] = 0
+    return longest
 
 
 def check_merge_and_planner_kernels():
@@ -195,7 +223,8 @@ def check_merge_and_planner_kernels():
     merges = [compile_sm90(xqa_direct_merge_kernel, direct,
                            dict(G=6, BLOCK_G=16, BLOCK_N=32, BLOCK_W=routes.DIRECT_MAX_WIDTH, NUM_SPLITS=17,
                                 BLOCK_S=32, HEAD_DIM=256, BLOCK_SIZE=16, KV_FP8=False, SAME_KV_STRIDES=True,
-                                DOT_DTYPE=tl.float16, HAS_GATE=True, RETURN_LSE=True, BLOCK_D=256),
+                                DOT_DTYPE=tl.float16, HAS_GATE=True, RETURN_LSE=True, BLOCK_D=256,
+                                HALVES=routes.xqa_direct_config(6, 256, 16).qk_halves),
                            floats=("qk_scale", "v_scale"), num_warps=4, maxnreg=cap)
               for cap in (routes.DIRECT_MAX_REGISTERS, None)]
     # routes.direct_merge_registers: where the direct launch fills two programs per SM, the merge, launched

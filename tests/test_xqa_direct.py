@@ -12,6 +12,7 @@ import triton.language as tl
 import qsa
 from qsa import attention, routes
 from qsa.cache import random_mapping
+from qsa.kernels.common import attend_tokens_halves
 from qsa.reference import assert_close_like_torch, make_attention_case, reference_attention
 
 from test_attention import _assert_bitwise
@@ -28,7 +29,7 @@ def ascending_rows(indices: torch.Tensor) -> torch.Tensor:
 
 
 def run_direct(case, *, splits=1, scratch=None, indices=None, prefetch=False, resolve_split=False, defer_check=False,
-               config=None, **kw):
+               qk_halves=False, config=None, **kw):
     c = case.cache
     out = torch.full_like(case.q, float("nan"))
     lse = torch.full(case.q.shape[:2], float("nan"), dtype=torch.float32)
@@ -39,7 +40,8 @@ def run_direct(case, *, splits=1, scratch=None, indices=None, prefetch=False, re
         softmax_scale=case.q.shape[2] ** -0.5, k_scale=c.k_scale, v_scale=c.v_scale,
         kv_fp8=c.kv_cache_dtype == "fp8_e4m3", num_splits=splits, scratch=scratch,
         config=config or routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=prefetch,
-                                            resolve_split=resolve_split or defer_check, defer_check=defer_check),
+                                            resolve_split=resolve_split or defer_check, defer_check=defer_check,
+                                            qk_halves=qk_halves),
         **kw)
     return out, lse
 
@@ -64,6 +66,42 @@ def test_direct_matches_reference(order, dtype, kv_cache_dtype):
     for splits in (1, 3):
         check(case, run_direct(case, splits=splits))
     check(case, run_direct(case, splits=3, defer_check=True))
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [(torch.float16, "auto"), (torch.bfloat16, "auto"),
+                                                  (torch.float16, "fp8_e4m3")])
+def test_direct_score_halves_match_reference(dtype, kv_cache_dtype):
+    """``qk_halves`` (K/V as four tiles of half the head, the scores summed from two products): the messy
+    rows above, as given and sorted, splits merged, with and without the deferred check."""
+    case = make_attention_case(rows=13, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=40,
+                               max_seq_len=150, dtype=dtype, kv_cache_dtype=kv_cache_dtype, with_gate=True,
+                               seed=27)
+    check(case, run_direct(case, splits=1, qk_halves=True))
+    check(case, run_direct(case, splits=3, qk_halves=True, resolve_split=True))
+    case.indices = ascending_rows(case.indices)
+    check(case, run_direct(case, splits=3, qk_halves=True, defer_check=True))
+
+
+@triton.jit
+def _one_half_twice(b_q0, b_q1, b_t, b_phys, m_n, m_row, i_kvh, k_ptr, v_ptr, o_h, b_m, b_l, b_acc0, b_acc1,
+                    qk_scale, stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok,
+                    stride_v_head, BLOCK_SIZE: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, KV_FP8: tl.constexpr,
+                    DOT_DTYPE: tl.constexpr):
+    """Known-wrong ``attend_tokens_halves``: the first column half of the query stands in for both."""
+    return attend_tokens_halves(b_q0, b_q0, b_t, b_phys, m_n, m_row, i_kvh, k_ptr, v_ptr, o_h, b_m, b_l, b_acc0, b_acc1,
+                 qk_scale, stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok,
+                 stride_v_head, BLOCK_SIZE, SAME_KV_STRIDES, KV_FP8, DOT_DTYPE)
+
+
+def test_direct_score_halves_check_rejects_one_half_twice(monkeypatch):
+    """The reference check above rejects scores that take one column half of the query twice."""
+    import qsa.kernels.xqa as kx
+
+    monkeypatch.setattr(kx, "attend_tokens_halves", _one_half_twice)
+    case = make_attention_case(rows=13, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=40,
+                               max_seq_len=150, with_gate=True, seed=27)
+    with pytest.raises(AssertionError):
+        check(case, run_direct(case, splits=1, qk_halves=True))
 
 
 def test_sorted_rows_take_the_fast_path():
@@ -137,11 +175,11 @@ def test_row_check_verdict_matches_its_definition(defer_check):
     for r in range(10):
         assert bool((scratch[r] != -7).any()) == (not verdicts[r]), (r, idx[r], verdicts[r], scratch[r])
 
-def split_boundary_case():
+def split_boundary_case(head_dim=16):
     """6 rows of 64 kept tokens (16-token tiles: with 2 or 4 splits, splits begin at positions 16, 32, 48),
     ascending as ``select_tokens`` emits them except rows 1-3, which break the order only between
     positions 31 and 32: two tokens swapped, a duplicate, a dropped entry before a kept one."""
-    case = make_attention_case(rows=6, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=64,
+    case = make_attention_case(rows=6, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=head_dim, width=64,
                                max_seq_len=300, messy=False, padding_rows=0, seed=31)
     g = torch.Generator().manual_seed(32)
     lens = case.seq_lens.tolist()
@@ -162,18 +200,20 @@ def split_boundary_case():
     return case, sorted_idx
 
 
-@pytest.mark.parametrize("splits", [2, 4])
-def test_deferred_check_sees_the_split_boundaries(splits):
+@pytest.mark.parametrize("splits,qk_halves", [(2, False), (4, False), (2, True)])
+def test_deferred_check_sees_the_split_boundaries(splits, qk_halves):
     """With the deferred check each split compares its first entry with the last of the split before.
     Rows out of order only across that boundary are sorted by the merge (their scratch rows written, no
-    other), and every output is bitwise the same as for the sorted rows and as without the deferral."""
-    case, sorted_idx = split_boundary_case()
+    other), and every output is bitwise the same as for the sorted rows and as without the deferral
+    (also with the scores over column halves, which the merge's recompute must follow)."""
+    case, sorted_idx = split_boundary_case(head_dim=32 if qk_halves else 16)
     scratch = torch.full((6, 64), -7, dtype=torch.int32)
-    got = run_direct(case, splits=splits, defer_check=True, scratch=scratch)
+    kw = dict(splits=splits, qk_halves=qk_halves)
+    got = run_direct(case, defer_check=True, scratch=scratch, **kw)
     check(case, got)
     assert [bool((scratch[r] != -7).any()) for r in range(6)] == [False, True, True, True, False, False]
-    _assert_bitwise(got, run_direct(case, splits=splits, resolve_split=True), "deferred vs whole-row check")
-    _assert_bitwise(got, run_direct(case, splits=splits, defer_check=True, indices=sorted_idx), "sorted rows")
+    _assert_bitwise(got, run_direct(case, resolve_split=True, **kw), "deferred vs whole-row check")
+    _assert_bitwise(got, run_direct(case, defer_check=True, indices=sorted_idx, **kw), "sorted rows")
 
 
 @triton.jit
@@ -200,7 +240,7 @@ def test_deferred_check_without_the_boundary_is_caught(monkeypatch):
 
     monkeypatch.setattr(kx, "_split_ascends", _split_inner_pairs_only)
     with pytest.raises(AssertionError):
-        test_deferred_check_sees_the_split_boundaries(2)
+        test_deferred_check_sees_the_split_boundaries(2, False)
 
 
 def mixed_order_case(seed, shuffled):
@@ -260,22 +300,24 @@ def test_direct_drops_tokens_past_the_length_below_the_position():
             _assert_bitwise(got, run_direct(shuffled, splits=splits, **kw), f"shuffled, {splits} splits, {kw}")
 
 
-def test_direct_is_bitwise_deterministic():
+@pytest.mark.parametrize("qk_halves", [False, True])
+def test_direct_is_bitwise_deterministic(qk_halves):
     """Sorted vs shuffled rows (fast path vs in-kernel sort), repeats, and page moves: the same bits."""
     case = make_attention_case(rows=10, num_reqs=3, num_q_heads=6, num_kv_heads=1, head_dim=32, width=48,
                                max_seq_len=160, with_gate=True, seed=23)
     case.indices = ascending_rows(case.indices)
-    base = run_direct(case, splits=2)
-    _assert_bitwise(base, run_direct(case, splits=2), "repeat")
+    base = run_direct(case, splits=2, qk_halves=qk_halves)
+    _assert_bitwise(base, run_direct(case, splits=2, qk_halves=qk_halves), "repeat")
     g = torch.Generator().manual_seed(24)
-    _assert_bitwise(base, run_direct(case.with_permuted_indices(g), splits=2), "shuffled rows")
+    _assert_bitwise(base, run_direct(case.with_permuted_indices(g), splits=2, qk_halves=qk_halves), "shuffled rows")
     mapping = random_mapping(case.cache.num_blocks, generator=g)
-    _assert_bitwise(base, run_direct(case.relocated(mapping), splits=2), "relocation")
+    _assert_bitwise(base, run_direct(case.relocated(mapping), splits=2, qk_halves=qk_halves), "relocation")
     # The deferred check: the same bits on sorted rows (checked by each split) and shuffled ones (sorted by
     # the merge), and the same as without it.
     for name, c in (("sorted", case), ("shuffled rows", case.with_permuted_indices(g)),
                     ("relocation", case.relocated(mapping))):
-        _assert_bitwise(base, run_direct(c, splits=2, defer_check=True), f"deferred check, {name}")
+        _assert_bitwise(base, run_direct(c, splits=2, defer_check=True, qk_halves=qk_halves),
+                        f"deferred check, {name}")
 
 
 def test_admission_of_the_direct_kernel():
@@ -483,3 +525,53 @@ def test_direct_merge_launch_settings(monkeypatch):
             else:
                 assert merges == []
     assert caps == {routes.DIRECT_MAX_REGISTERS, None}  # both settings were launched
+
+
+def whole_block_case(seed, dtype=torch.float16, kv_cache_dtype="auto"):
+    """Rows that select whole 4-token blocks below their position and the tail of their own block (as the
+    indexer does), ascending: the planned xqa kernel's microblock tiles then hold the same tokens in the
+    same slots as the direct kernel's token tiles."""
+    case = make_attention_case(rows=5, num_reqs=2, num_q_heads=6, num_kv_heads=1, head_dim=32, width=4,
+                               max_seq_len=200, messy=False, padding_rows=0, with_gate=True, dtype=dtype,
+                               kv_cache_dtype=kv_cache_dtype, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    k = 9
+    idx = torch.full((5, 4 * k + 4), -1, dtype=torch.int32)
+    for r in range(5):
+        pos = int(case.positions[r])
+        blocks = torch.randperm(pos // 4, generator=g)[:k].sort().values
+        toks = (blocks[:, None] * 4 + torch.arange(4)).flatten().tolist() + list(range(pos // 4 * 4, pos + 1))
+        idx[r, :len(toks)] = torch.tensor(toks, dtype=torch.int32)
+    case.indices = idx
+    return case
+
+
+@pytest.mark.parametrize("planned_halves,direct_halves,dtype,kv_cache_dtype", [
+    (False, False, torch.float16, "auto"), (True, True, torch.float16, "auto"), (True, True, torch.bfloat16, "auto"),
+    (True, True, torch.float16, "fp8_e4m3"), (False, True, torch.float16, "auto")])
+def test_planned_and_direct_xqa_agree_bitwise(planned_halves, direct_halves, dtype, kv_cache_dtype):
+    """The planned xqa kernel (microblock plan) and the direct kernel give a row the same bits when its
+    selection is whole blocks, so the ``rows_sorted`` hint, which only picks the kernel, changes no bit:
+    the scores take the same form in both (``qk_halves``). Mixed forms must differ (the known-wrong side)."""
+    case = whole_block_case(33, dtype, kv_cache_dtype)
+    c = case.cache
+    fp8 = kv_cache_dtype == "fp8_e4m3"
+    k, v = (c.k.view(torch.uint8), c.v.view(torch.uint8)) if fp8 else (c.k, c.v)
+    plan = qsa.plan_attention(case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens,
+                              block_size=c.block_size, num_blocks=c.num_blocks, num_q_heads=6, num_kv_heads=1,
+                              head_dim=32, route="xqa")
+    assert plan.single is not None and not plan.routes.direct
+    out = torch.full_like(case.q, float("nan"))
+    lse = torch.full(case.q.shape[:2], float("nan"), dtype=torch.float32)
+    attention.xqa_attention(case.q, k, v, plan.single, row_start=0, out=out, lse=lse, gate=case.gate,
+                            softmax_scale=case.q.shape[2] ** -0.5, k_scale=c.k_scale, v_scale=c.v_scale, kv_fp8=fp8,
+                            config=routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=True,
+                                                      qk_halves=planned_halves), num_splits=1)
+    check(case, (out, lse))
+    # One split each: the two kernels cut a row's tiles into splits by different counts (plan capacity,
+    # index width), which agree at the real width (2051: 65 tiles of 32 either way), not at this one.
+    direct = run_direct(case, splits=1, resolve_split=True, qk_halves=direct_halves)
+    if planned_halves == direct_halves:
+        _assert_bitwise((out, lse), direct, "planned vs direct xqa")
+    else:
+        assert not torch.equal(out, direct[0])

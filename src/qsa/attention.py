@@ -112,6 +112,12 @@ def _partials(n, hq, splits, d, device):
             torch.empty((n, hq, splits, 2), dtype=torch.float32, device=device))
 
 
+def _score_halves(cfg: routes.SplitConfig, head_dim: int) -> bool:
+    """Whether an xqa launch takes its scores over the head's column halves: as ``cfg`` says, where a half
+    (at least 16 columns) is deep enough for a dot; the planned and the direct kernel decide alike."""
+    return cfg.qk_halves and head_dim >= 32
+
+
 def xqa_attention(q, k, v, plan: SingleRowPlan, *, row_start: int, out, lse, gate, softmax_scale,
                   k_scale, v_scale, kv_fp8: bool, config: routes.SplitConfig | None = None,
                   num_splits: int | None = None) -> None:
@@ -135,6 +141,7 @@ def xqa_attention(q, k, v, plan: SingleRowPlan, *, row_start: int, out, lse, gat
         row_start, hq, qk_scale, float(v_scale),
         stride_ids=plan.mb_ids.stride(0), stride_masks=plan.masks.stride(0), **strides,
         G=G, BLOCK_G=max(16, next_pow2(G)), MB=mb, NUM_SPLITS=splits, PREFETCH=cfg.prefetch,
+        HALVES=_score_halves(cfg, d),
         HEAD_DIM=d, BLOCK_SIZE=plan.block_size, KV_FP8=kv_fp8, SAME_KV_STRIDES=same_kv_strides(k, v),
         DOT_DTYPE=_dot_dtype(q),
         HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
@@ -187,6 +194,7 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
     xqa_direct_kernel[(n, hkv, splits)](
         *inputs, g, out, lse_t, part_acc, part_ml, *sizes, **shared,
         PREFETCH=cfg.prefetch and not resolve, SPLIT_N=split_n if resolve else 0, DEFER_CHECK=defer,
+        HALVES=_score_halves(cfg, d),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
         # The merge launched as this kernel starts, only with the deferred check (164-166 registers: the
@@ -204,7 +212,8 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
         cap = routes.direct_merge_registers(n * hkv * splits, cfg.programs_per_sm, q.device)
         xqa_direct_merge_kernel[(n, hq, d // block_d)](
             part_acc, part_ml, out, g, lse_t, *inputs, *sizes, **shared, BLOCK_S=next_pow2(splits),
-            BLOCK_D=block_d, num_warps=warps, **({"maxnreg": cap} if cap else {}), **launch_options(q.device))
+            BLOCK_D=block_d, HALVES=_score_halves(cfg, d), num_warps=warps, **({"maxnreg": cap} if cap else {}),
+            **launch_options(q.device))
     elif splits > 1:
         _merge(part_acc, part_ml, out=out, lse=lse, gate=gate, row_offset=row_start, v_scale=v_scale,
                num_splits=splits)

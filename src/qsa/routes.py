@@ -89,6 +89,8 @@ class SplitConfig:
     max_registers: int | None = None  # register cap per thread (``maxnreg``) on the GPU; None: the compiler's
     defer_check: bool = False  # direct xqa, resolved splits: each split checks its own positions and the merge
     # recomputes a row found out of order (``xqa_direct_kernel``'s ``DEFER_CHECK``)
+    qk_halves: bool = False  # direct xqa: K/V tiles and scores over the head's two column halves
+    # (``attend_tokens_halves``)
 
 
 @dataclass(frozen=True)
@@ -139,7 +141,10 @@ def xqa_config(G: int, head_dim: int) -> SplitConfig:
     # 32-token tiles, four K/V buffers fed by the plan-entry prefetch, one program per SM: on the H200
     # the xqa kernel took 0.144 ms for decode-256 (0.160 ms with one buffer of 64 tokens), 0.056 ms for
     # decode-64 (0.060) and 0.020 ms for mtp-8 (0.021), benchmarks/results/tune-2026-11-29-2027.
-    return SplitConfig(tile_tokens=32, num_warps=4, num_stages=4, programs_per_sm=1, prefetch=True)
+    # The scores over column halves as in the direct kernel (xqa_direct_config), whose rows must come out
+    # with the same bits whichever of the two kernels computes them.
+    return SplitConfig(tile_tokens=32, num_warps=4, num_stages=4, programs_per_sm=1, prefetch=True,
+                       qk_halves=head_dim >= 256)
 
 
 def xqa_direct_config(G: int, head_dim: int, lists: int = 1, kv_fp8: bool = False) -> SplitConfig:
@@ -179,12 +184,20 @@ def xqa_direct_config(G: int, head_dim: int, lists: int = 1, kv_fp8: bool = Fals
     17.7-17.8 -> 17.1-17.3, decode-16 23.0 -> 22.7-22.8, mtp-8, mtp-5 and decode-1 0.1 us faster. At 64
     lists (4 splits of 1024 entries, uncapped) it was slower (decode-64 52.1-52.2 -> 54.9-56.0 in three builds), so
     there the whole row is still checked before the loop.
+
+    At head_dim 256 the scores are taken over the head's two column halves (``qk_halves``,
+    ``attend_tile_halves``): two chains of 8 mma steps per warp instead of one of 16, 348 instead of 465
+    instructions per tile in the loop. On the H200, plan + run (us, two alternations;
+    benchmarks/results/experiments/2026-11-30-2010-direct-score-halves-nvidia-h200.json): mtp-16
+    16.96-17.06 -> 16.50-16.70, mtp-8 14.22-14.30 -> 13.95-14.11, mtp-5 13.60-13.66 -> 13.34-13.41, decode-16
+    22.46-22.53 -> 22.21-22.35, decode-1 and decode-64 level. ``xqa_config`` takes the same form, so that a
+    row gets the same bits from the planned kernel as from this one.
     """
     capped = lists <= DIRECT_CAP_LISTS or kv_fp8
     return SplitConfig(tile_tokens=32, num_warps=4, num_stages=3,
                        programs_per_sm=3 if kv_fp8 and lists > DIRECT_CAP_LISTS else 2,
                        prefetch=lists <= 16, resolve_split=True, defer_check=lists <= DIRECT_CAP_LISTS,
-                       max_registers=DIRECT_MAX_REGISTERS if capped else None)
+                       max_registers=DIRECT_MAX_REGISTERS if capped else None, qk_halves=head_dim >= 256)
 
 
 def merge_config(num_splits: int, head_dim: int) -> tuple[int, int]:
