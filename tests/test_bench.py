@@ -363,7 +363,9 @@ def test_tune_smoke_checks_and_times_every_setting(tmp_path, monkeypatch):
     assert layouts == {"nibbles", "rows"}
     direct = [r["setting"] for r in records if r["what"] == "direct-attn"]
     assert {len(s) >= 6 and s[5] for s in direct} == {False, True}  # entries resolved before the loop or not
-    assert any(len(s) == 8 and s[7] for s in direct)  # the deferred row check
+    assert any(len(s) >= 8 and s[7] for s in direct)  # the deferred row check
+    # the score halves (on a smoke head of 16 columns the launch takes the whole head: a half is too narrow)
+    assert any(len(s) == 9 and s[8] for s in direct)
 
 
 def test_ncu_probe_runs_a_scenario(capsys):

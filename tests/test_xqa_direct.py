@@ -12,7 +12,7 @@ import triton.language as tl
 import qsa
 from qsa import attention, routes
 from qsa.cache import random_mapping
-from qsa.kernels.common import attend_tokens_halves
+from qsa.kernels.common import attend_tile_halves
 from qsa.reference import assert_close_like_torch, make_attention_case, reference_attention
 
 from test_attention import _assert_bitwise
@@ -83,21 +83,18 @@ def test_direct_score_halves_match_reference(dtype, kv_cache_dtype):
 
 
 @triton.jit
-def _one_half_twice(b_q0, b_q1, b_t, b_phys, m_n, m_row, i_kvh, k_ptr, v_ptr, o_h, b_m, b_l, b_acc0, b_acc1,
-                    qk_scale, stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok,
-                    stride_v_head, BLOCK_SIZE: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, KV_FP8: tl.constexpr,
-                    DOT_DTYPE: tl.constexpr):
-    """Known-wrong ``attend_tokens_halves``: the first column half of the query stands in for both."""
-    return attend_tokens_halves(b_q0, b_q0, b_t, b_phys, m_n, m_row, i_kvh, k_ptr, v_ptr, o_h, b_m, b_l, b_acc0, b_acc1,
-                 qk_scale, stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok,
-                 stride_v_head, BLOCK_SIZE, SAME_KV_STRIDES, KV_FP8, DOT_DTYPE)
+def _one_half_twice(b_q0, b_q1, o_ktok, o_vtok, m_load, m_attend, k_ptr, v_ptr, o_h, b_m, b_l, b_acc0, b_acc1,
+                    qk_scale, KV_FP8: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Known-wrong ``attend_tile_halves``: the first column half of the query stands in for both."""
+    return attend_tile_halves(b_q0, b_q0, o_ktok, o_vtok, m_load, m_attend, k_ptr, v_ptr, o_h, b_m, b_l, b_acc0,
+                              b_acc1, qk_scale, KV_FP8, DOT_DTYPE)
 
 
 def test_direct_score_halves_check_rejects_one_half_twice(monkeypatch):
     """The reference check above rejects scores that take one column half of the query twice."""
-    import qsa.kernels.xqa as kx
+    import qsa.kernels.common as kc
 
-    monkeypatch.setattr(kx, "attend_tokens_halves", _one_half_twice)
+    monkeypatch.setattr(kc, "attend_tile_halves", _one_half_twice)
     case = make_attention_case(rows=13, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=40,
                                max_seq_len=150, with_gate=True, seed=27)
     with pytest.raises(AssertionError):

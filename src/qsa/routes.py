@@ -90,7 +90,7 @@ class SplitConfig:
     defer_check: bool = False  # direct xqa, resolved splits: each split checks its own positions and the merge
     # recomputes a row found out of order (``xqa_direct_kernel``'s ``DEFER_CHECK``)
     qk_halves: bool = False  # direct xqa: K/V tiles and scores over the head's two column halves
-    # (``attend_tokens_halves``)
+    # (``attend_tile_halves``)
 
 
 @dataclass(frozen=True)

@@ -191,27 +191,6 @@ def attend_tile(
 
 
 @triton.jit
-def attend_tokens(
-    b_q, b_t, b_phys,
-    m_n,  # [BLOCK_N] tokens to attend (the others are neither read nor weighed)
-    m_row, i_kvh, k_ptr, v_ptr, o_d, b_m, b_l, b_acc, qk_scale,
-    stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok, stride_v_head,
-    BLOCK_SIZE: tl.constexpr,
-    SAME_KV_STRIDES: tl.constexpr,
-    KV_FP8: tl.constexpr,
-    DOT_DTYPE: tl.constexpr,
-):
-    """One tile of tokens ``b_t`` in physical blocks ``b_phys``: K/V of head ``i_kvh`` gathered token by
-    token, attended by the query rows ``m_row`` (``attend_tile``)."""
-    o_ktok, o_vtok = token_kv_offsets(b_t, b_phys, i_kvh, stride_k_block, stride_k_tok, stride_k_head,
-                                      stride_v_block, stride_v_tok, stride_v_head, BLOCK_SIZE, SAME_KV_STRIDES)
-    b_k = load_kv_tile(k_ptr, o_ktok, o_d, m_n, KV_FP8, DOT_DTYPE)
-    b_v = load_kv_tile(v_ptr, o_vtok, o_d, m_n, KV_FP8, DOT_DTYPE)
-    m_attend = m_n[None, :] & m_row[:, None]
-    return attend_tile(b_q, b_k, b_v, m_attend, b_m, b_l, b_acc, qk_scale, DOT_DTYPE)
-
-
-@triton.jit
 def store_output(
     b_acc,  # [BLOCK_M, HEAD_DIM] fp32 unnormalised P @ V
     b_m,  # [BLOCK_M] max, log2 domain
@@ -364,7 +343,6 @@ def merge_split_partials(b_ms, b_ls, b_a, i_row, i_h, o_d, out_ptr, gate_ptr, ls
                  stride_lse_row, HAS_GATE, RETURN_LSE)
 
 
-
 @triton.jit
 def attend_tile_halves(
     b_q0, b_q1,  # [BLOCK_M, HEAD_DIM // 2] each: the query's two column halves, in DOT_DTYPE
@@ -405,19 +383,117 @@ def attend_tile_halves(
     return b_m_new, b_l, b_acc0, b_acc1
 
 
+# The xqa kernels hold a query tile and its accumulator either whole or, with HALVES, as two column halves
+# (``attend_tile_halves``); these helpers take both forms, a whole one passed and returned twice.
+
 @triton.jit
-def attend_tokens_halves(
-    b_q0, b_q1, b_t, b_phys,
-    m_n,  # [BLOCK_N] tokens to attend (the others are neither read nor weighed)
-    m_row, i_kvh, k_ptr, v_ptr, o_h, b_m, b_l, b_acc0, b_acc1, qk_scale,
-    stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok, stride_v_head,
-    BLOCK_SIZE: tl.constexpr,
-    SAME_KV_STRIDES: tl.constexpr,
+def load_query(p_q, m_row, HEAD_DIM: tl.constexpr, HALVES: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """The query tile at ``p_q`` (``[BLOCK_M, 1]`` pointers to each matrix row's head row; rows outside
+    ``m_row`` read as 0): (first half, second half) with ``HALVES``, else (tile, tile)."""
+    if HALVES:
+        o_h = tl.arange(0, HEAD_DIM // 2)
+        b_q0 = tl.load(p_q + o_h[None, :], mask=m_row[:, None], other=0).to(DOT_DTYPE)
+        b_q1 = tl.load(p_q + HEAD_DIM // 2 + o_h[None, :], mask=m_row[:, None], other=0).to(DOT_DTYPE)
+    else:
+        b_q0 = tl.load(p_q + tl.arange(0, HEAD_DIM)[None, :], mask=m_row[:, None], other=0).to(DOT_DTYPE)
+        b_q1 = b_q0
+    return b_q0, b_q1
+
+
+@triton.jit
+def zero_accumulator(BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, HALVES: tl.constexpr):
+    """A zero accumulator in the form ``load_query`` gives the query."""
+    if HALVES:
+        b_acc0 = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
+        b_acc1 = tl.zeros([BLOCK_M, HEAD_DIM // 2], tl.float32)
+    else:
+        b_acc0 = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+        b_acc1 = b_acc0
+    return b_acc0, b_acc1
+
+
+@triton.jit
+def attend_kv(
+    b_q0, b_q1, o_ktok, o_vtok,
+    m_load,  # [BLOCK_N] tokens to load
+    m_attend,  # [BLOCK_M, BLOCK_N]
+    k_ptr, v_ptr, b_m, b_l, b_acc0, b_acc1, qk_scale,
+    HEAD_DIM: tl.constexpr,
+    HALVES: tl.constexpr,
     KV_FP8: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
 ):
-    """``attend_tokens`` over the head's column halves (``attend_tile_halves``)."""
+    """One online-softmax step over the K/V head rows at ``o_ktok``/``o_vtok``: ``attend_tile_halves``
+    with ``HALVES``, else ``attend_tile`` on the whole head."""
+    if HALVES:
+        b_m, b_l, b_acc0, b_acc1 = attend_tile_halves(b_q0, b_q1, o_ktok, o_vtok, m_load, m_attend, k_ptr, v_ptr,
+                                                      tl.arange(0, HEAD_DIM // 2), b_m, b_l, b_acc0, b_acc1,
+                                                      qk_scale, KV_FP8, DOT_DTYPE)
+    else:
+        o_d = tl.arange(0, HEAD_DIM)
+        b_k = load_kv_tile(k_ptr, o_ktok, o_d, m_load, KV_FP8, DOT_DTYPE)
+        b_v = load_kv_tile(v_ptr, o_vtok, o_d, m_load, KV_FP8, DOT_DTYPE)
+        b_m, b_l, b_acc0 = attend_tile(b_q0, b_k, b_v, m_attend, b_m, b_l, b_acc0, qk_scale, DOT_DTYPE)
+    return b_m, b_l, b_acc0, b_acc1
+
+
+@triton.jit
+def attend_kv_tokens(
+    b_q0, b_q1, b_t, b_phys,
+    m_n,  # [BLOCK_N] tokens to attend (the others are neither read nor weighed)
+    m_row, i_kvh, k_ptr, v_ptr, b_m, b_l, b_acc0, b_acc1, qk_scale,
+    stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok, stride_v_head,
+    BLOCK_SIZE: tl.constexpr,
+    SAME_KV_STRIDES: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HALVES: tl.constexpr,
+    KV_FP8: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+):
+    """One tile of tokens ``b_t`` in physical blocks ``b_phys``: K/V of head ``i_kvh`` gathered token by
+    token, attended by the query rows ``m_row`` (``attend_kv``, in either form)."""
     o_ktok, o_vtok = token_kv_offsets(b_t, b_phys, i_kvh, stride_k_block, stride_k_tok, stride_k_head,
                                       stride_v_block, stride_v_tok, stride_v_head, BLOCK_SIZE, SAME_KV_STRIDES)
-    return attend_tile_halves(b_q0, b_q1, o_ktok, o_vtok, m_n, m_n[None, :] & m_row[:, None], k_ptr, v_ptr, o_h,
-                              b_m, b_l, b_acc0, b_acc1, qk_scale, KV_FP8, DOT_DTYPE)
+    return attend_kv(b_q0, b_q1, o_ktok, o_vtok, m_n, m_n[None, :] & m_row[:, None], k_ptr, v_ptr, b_m, b_l, b_acc0,
+                     b_acc1, qk_scale, HEAD_DIM, HALVES, KV_FP8, DOT_DTYPE)
+
+
+@triton.jit
+def store_accumulator(
+    b_acc0, b_acc1, b_m, b_l, o_row, o_head, m_row, o_part_row, i_split,
+    out_ptr, gate_ptr, lse_ptr, part_acc_ptr, part_ml_ptr, v_scale, Hq,
+    stride_o_row, stride_o_head, stride_g_row, stride_g_head, stride_lse_row,
+    NUM_SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    HAS_GATE: tl.constexpr,
+    RETURN_LSE: tl.constexpr,
+    HALVES: tl.constexpr,
+):
+    """``store_result`` of an accumulator in either form (each half stores its columns)."""
+    if HALVES:
+        o_h = tl.arange(0, HEAD_DIM // 2)
+        store_result(b_acc0, b_m, b_l, o_row, o_head, m_row, o_h, o_part_row, i_split, out_ptr, gate_ptr, lse_ptr,
+                     part_acc_ptr, part_ml_ptr, v_scale, Hq, stride_o_row, stride_o_head, stride_g_row,
+                     stride_g_head, stride_lse_row, NUM_SPLITS, HEAD_DIM, HAS_GATE, RETURN_LSE)
+        store_result(b_acc1, b_m, b_l, o_row, o_head, m_row, o_h + HEAD_DIM // 2, o_part_row, i_split, out_ptr,
+                     gate_ptr, lse_ptr, part_acc_ptr, part_ml_ptr, v_scale, Hq, stride_o_row, stride_o_head,
+                     stride_g_row, stride_g_head, stride_lse_row, NUM_SPLITS, HEAD_DIM, HAS_GATE, RETURN_LSE)
+    else:
+        store_result(b_acc0, b_m, b_l, o_row, o_head, m_row, tl.arange(0, HEAD_DIM), o_part_row, i_split, out_ptr,
+                     gate_ptr, lse_ptr, part_acc_ptr, part_ml_ptr, v_scale, Hq, stride_o_row, stride_o_head,
+                     stride_g_row, stride_g_head, stride_lse_row, NUM_SPLITS, HEAD_DIM, HAS_GATE, RETURN_LSE)
+
+
+@triton.jit
+def store_partials(b_acc0, b_acc1, b_m, b_l, o_row, o_head, m_row, i_split, part_acc_ptr, part_ml_ptr, Hq,
+                   NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, HALVES: tl.constexpr):
+    """``store_partial`` of an accumulator in either form."""
+    if HALVES:
+        o_h = tl.arange(0, HEAD_DIM // 2)
+        store_partial(b_acc0, b_m, b_l, o_row, o_head, m_row, o_h, i_split, part_acc_ptr, part_ml_ptr, Hq,
+                      NUM_SPLITS, HEAD_DIM)
+        store_partial(b_acc1, b_m, b_l, o_row, o_head, m_row, o_h + HEAD_DIM // 2, i_split, part_acc_ptr,
+                      part_ml_ptr, Hq, NUM_SPLITS, HEAD_DIM)
+    else:
+        store_partial(b_acc0, b_m, b_l, o_row, o_head, m_row, tl.arange(0, HEAD_DIM), i_split, part_acc_ptr,
+                      part_ml_ptr, Hq, NUM_SPLITS, HEAD_DIM)

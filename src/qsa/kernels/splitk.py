@@ -7,7 +7,7 @@ combines in a fixed order. Any G works (the head tile is padded to a power of tw
 import triton
 import triton.language as tl
 
-from .common import attend_tokens, enter_launch, split_range, store_result
+from .common import attend_kv_tokens, enter_launch, split_range, store_result
 
 
 @triton.jit
@@ -80,9 +80,10 @@ def splitk_attention_kernel(
         m_n = o_e < count
         b_t = tl.load(tok_ptr + i_r * stride_tok + o_e, mask=m_n, other=0)
         b_phys = tl.load(bt_ptr + req * stride_bt + b_t // BLOCK_SIZE, mask=m_n, other=0)
-        b_m, b_l, b_acc = attend_tokens(b_q, b_t, b_phys, m_n, m_row, i_kvh, k_ptr, v_ptr, o_d, b_m, b_l, b_acc,
-                                        qk_scale, stride_k_block, stride_k_tok, stride_k_head, stride_v_block,
-                                        stride_v_tok, stride_v_head, BLOCK_SIZE, SAME_KV_STRIDES, KV_FP8, DOT_DTYPE)
+        b_m, b_l, b_acc, _ = attend_kv_tokens(b_q, b_q, b_t, b_phys, m_n, m_row, i_kvh, k_ptr, v_ptr, b_m, b_l, b_acc,
+                                              b_acc, qk_scale, stride_k_block, stride_k_tok, stride_k_head,
+                                              stride_v_block, stride_v_tok, stride_v_head, BLOCK_SIZE, SAME_KV_STRIDES,
+                                              HEAD_DIM, False, KV_FP8, DOT_DTYPE)
 
     store_result(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, o_row, i_split, out_ptr, gate_ptr, lse_ptr,
                  part_acc_ptr, part_ml_ptr, v_scale, Hq, stride_o_row, stride_o_head, stride_g_row, stride_g_head,

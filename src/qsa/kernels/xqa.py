@@ -9,9 +9,8 @@ splits are merged by ``xqa_direct_merge_kernel``, which also recomputes a row fo
 import triton
 import triton.language as tl
 
-from .common import (attend_tile, attend_tile_halves, attend_tokens, attend_tokens_halves, enter_launch,
-                     load_kv_tile, load_split_partials, merge_split_partials, split_range, store_partial,
-                     store_result)
+from .common import (attend_kv, attend_kv_tokens, enter_launch, load_query, load_split_partials,
+                     merge_split_partials, split_range, store_accumulator, store_partials, zero_accumulator)
 from .plan import INT32_MAX, _row_setup
 
 
@@ -74,16 +73,8 @@ def xqa_attention_kernel(
     o_head = i_kvh * G + o_m
     m_row = o_m < G
     o_row = tl.zeros([BLOCK_G], tl.int64) + i_r
-    o_d = tl.arange(0, HEAD_DIM)
-    p_q = q_ptr + i_r * stride_q_row + o_head[:, None] * stride_q_head
-    HALF: tl.constexpr = HEAD_DIM // 2
-    o_h = tl.arange(0, HALF)
-    if HALVES:
-        b_q = tl.load(p_q + o_h[None, :], mask=m_row[:, None], other=0).to(DOT_DTYPE)
-        b_q1 = tl.load(p_q + HALF + o_h[None, :], mask=m_row[:, None], other=0).to(DOT_DTYPE)
-        b_acc1 = tl.zeros([BLOCK_G, HALF], tl.float32)
-    else:
-        b_q = tl.load(p_q + o_d[None, :], mask=m_row[:, None], other=0).to(DOT_DTYPE)
+    b_q, b_q1 = load_query(q_ptr + i_r * stride_q_row + o_head[:, None] * stride_q_head, m_row, HEAD_DIM, HALVES,
+                           DOT_DTYPE)
 
     o_n = tl.arange(0, BLOCK_N)
     o_slot = o_n % 4
@@ -91,7 +82,7 @@ def xqa_attention_kernel(
     tile_start, tile_end = split_range(tl.cdiv(count, MB), i_split, NUM_SPLITS)
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
-    b_acc = tl.zeros([BLOCK_G, HALF if HALVES else HEAD_DIM], tl.float32)
+    b_acc, b_acc1 = zero_accumulator(BLOCK_G, HEAD_DIM, HALVES)
     if PREFETCH:
         # Each tile's plan entries are loaded one iteration ahead, so the K/V loads do not wait on a
         # load of their own iteration and can be issued num_stages - 1 tiles ahead.
@@ -117,26 +108,13 @@ def xqa_attention_kernel(
         else:
             o_vtok = o_blk * stride_v_block + o_in * stride_v_tok + i_kvh * stride_v_head
         m_used = m_n & (((b_bits >> o_slot) & 1) != 0)
-        m_attend = m_used[None, :] & m_row[:, None]
-        if HALVES:
-            b_m, b_l, b_acc, b_acc1 = attend_tile_halves(b_q, b_q1, o_ktok, o_vtok, m_used, m_attend, k_ptr, v_ptr,
-                                                         o_h, b_m, b_l, b_acc, b_acc1, qk_scale, KV_FP8, DOT_DTYPE)
-        else:
-            b_k = load_kv_tile(k_ptr, o_ktok, o_d, m_used, KV_FP8, DOT_DTYPE)
-            b_v = load_kv_tile(v_ptr, o_vtok, o_d, m_used, KV_FP8, DOT_DTYPE)
-            b_m, b_l, b_acc = attend_tile(b_q, b_k, b_v, m_attend, b_m, b_l, b_acc, qk_scale, DOT_DTYPE)
+        b_m, b_l, b_acc, b_acc1 = attend_kv(b_q, b_q1, o_ktok, o_vtok, m_used, m_used[None, :] & m_row[:, None], k_ptr,
+                                            v_ptr, b_m, b_l, b_acc, b_acc1, qk_scale, HEAD_DIM, HALVES, KV_FP8,
+                                            DOT_DTYPE)
 
-    if HALVES:
-        store_result(b_acc, b_m, b_l, o_row, o_head, m_row, o_h, o_row - row_offset, i_split, out_ptr, gate_ptr,
-                     lse_ptr, part_acc_ptr, part_ml_ptr, v_scale, Hq, stride_o_row, stride_o_head, stride_g_row,
-                     stride_g_head, stride_lse_row, NUM_SPLITS, HEAD_DIM, HAS_GATE, RETURN_LSE)
-        store_result(b_acc1, b_m, b_l, o_row, o_head, m_row, o_h + HALF, o_row - row_offset, i_split, out_ptr,
-                     gate_ptr, lse_ptr, part_acc_ptr, part_ml_ptr, v_scale, Hq, stride_o_row, stride_o_head,
-                     stride_g_row, stride_g_head, stride_lse_row, NUM_SPLITS, HEAD_DIM, HAS_GATE, RETURN_LSE)
-    else:
-        store_result(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, o_row - row_offset, i_split, out_ptr, gate_ptr,
-                     lse_ptr, part_acc_ptr, part_ml_ptr, v_scale, Hq, stride_o_row, stride_o_head, stride_g_row,
-                     stride_g_head, stride_lse_row, NUM_SPLITS, HEAD_DIM, HAS_GATE, RETURN_LSE)
+    store_accumulator(b_acc, b_acc1, b_m, b_l, o_row, o_head, m_row, o_row - row_offset, i_split, out_ptr, gate_ptr,
+                      lse_ptr, part_acc_ptr, part_ml_ptr, v_scale, Hq, stride_o_row, stride_o_head, stride_g_row,
+                      stride_g_head, stride_lse_row, NUM_SPLITS, HEAD_DIM, HAS_GATE, RETURN_LSE, HALVES)
 
 
 @triton.jit
@@ -289,7 +267,7 @@ def xqa_direct_kernel(
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
     DEFER_CHECK: tl.constexpr = False,  # (SPLIT_N > 0, NUM_SPLITS > 1) check only the split's positions
-    HALVES: tl.constexpr = False,  # scores as two products over the head's column halves (attend_tokens_halves)
+    HALVES: tl.constexpr = False,  # scores as two products over the head's column halves (attend_tile_halves)
     PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """xqa without a planner launch: each program takes its split of the W positions of its row's
@@ -313,18 +291,11 @@ def xqa_direct_kernel(
     o_head = i_kvh * G + o_m
     m_row = o_m < G
     o_row = tl.zeros([BLOCK_G], tl.int64) + i_r
-    o_d = tl.arange(0, HEAD_DIM)
     req, pos, seq_len, row_ok = _row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs)
     p_idx = idx_ptr + i_r * stride_idx_row
     p_bt = bt_ptr + req * stride_bt
-    p_q = q_ptr + i_r * stride_q_row + o_head[:, None] * stride_q_head
-    HALF: tl.constexpr = HEAD_DIM // 2
-    o_h = tl.arange(0, HALF)
-    if HALVES:
-        b_q = tl.load(p_q + o_h[None, :], mask=m_row[:, None], other=0).to(DOT_DTYPE)
-        b_q1 = tl.load(p_q + HALF + o_h[None, :], mask=m_row[:, None], other=0).to(DOT_DTYPE)
-    else:
-        b_q = tl.load(p_q + o_d[None, :], mask=m_row[:, None], other=0).to(DOT_DTYPE)
+    b_q, b_q1 = load_query(q_ptr + i_r * stride_q_row + o_head[:, None] * stride_q_head, m_row, HEAD_DIM, HALVES,
+                           DOT_DTYPE)
 
     # Splits cut the W list positions, so they are known before the row is checked.
     o_n = tl.arange(0, BLOCK_N)
@@ -358,11 +329,7 @@ def xqa_direct_kernel(
                                                       seq_len, row_ok, max_blocks, BLOCK_SIZE)
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
-    if HALVES:
-        b_acc = tl.zeros([BLOCK_G, HALF], tl.float32)
-        b_acc1 = tl.zeros([BLOCK_G, HALF], tl.float32)
-    else:
-        b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    b_acc, b_acc1 = zero_accumulator(BLOCK_G, HEAD_DIM, HALVES)
     for i_t in range(tile_start, tile_end):
         o_e = i_t * BLOCK_N + o_n
         if SPLIT_N > 0:
@@ -380,16 +347,10 @@ def xqa_direct_kernel(
         else:
             b_t, b_phys = _list_entries(p_list, o_e, n_list, p_bt, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
         m_n = (b_phys >= 0) & (b_phys < num_blocks)
-        if HALVES:
-            b_m, b_l, b_acc, b_acc1 = attend_tokens_halves(
-                b_q, b_q1, b_t, b_phys, m_n, m_row, i_kvh, k_ptr, v_ptr, o_h, b_m, b_l, b_acc, b_acc1, qk_scale,
-                stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok, stride_v_head,
-                BLOCK_SIZE, SAME_KV_STRIDES, KV_FP8, DOT_DTYPE)
-        else:
-            b_m, b_l, b_acc = attend_tokens(b_q, b_t, b_phys, m_n, m_row, i_kvh, k_ptr, v_ptr, o_d, b_m, b_l,
-                                            b_acc, qk_scale, stride_k_block, stride_k_tok, stride_k_head,
-                                            stride_v_block, stride_v_tok, stride_v_head, BLOCK_SIZE,
-                                            SAME_KV_STRIDES, KV_FP8, DOT_DTYPE)
+        b_m, b_l, b_acc, b_acc1 = attend_kv_tokens(b_q, b_q1, b_t, b_phys, m_n, m_row, i_kvh, k_ptr, v_ptr, b_m, b_l,
+                                                   b_acc, b_acc1, qk_scale, stride_k_block, stride_k_tok,
+                                                   stride_k_head, stride_v_block, stride_v_tok, stride_v_head,
+                                                   BLOCK_SIZE, SAME_KV_STRIDES, HEAD_DIM, HALVES, KV_FP8, DOT_DTYPE)
     if DEFER_CHECK:
         # Checked after the loop, which does not wait for it: a split that fails stores the sum -1, and
         # the merge recomputes the row (a sum is never negative).
@@ -397,17 +358,9 @@ def xqa_direct_kernel(
                                    _ascending_limit(pos, row_ok, max_blocks, BLOCK_SIZE))
         b_l = tl.where(ascending, b_l, -1.0)
 
-    if HALVES:
-        store_result(b_acc, b_m, b_l, o_row, o_head, m_row, o_h, o_row - row_offset, i_split, out_ptr, gate_ptr,
-                     lse_ptr, part_acc_ptr, part_ml_ptr, v_scale, Hq, stride_o_row, stride_o_head, stride_g_row,
-                     stride_g_head, stride_lse_row, NUM_SPLITS, HEAD_DIM, HAS_GATE, RETURN_LSE)
-        store_result(b_acc1, b_m, b_l, o_row, o_head, m_row, o_h + HALF, o_row - row_offset, i_split, out_ptr,
-                     gate_ptr, lse_ptr, part_acc_ptr, part_ml_ptr, v_scale, Hq, stride_o_row, stride_o_head,
-                     stride_g_row, stride_g_head, stride_lse_row, NUM_SPLITS, HEAD_DIM, HAS_GATE, RETURN_LSE)
-    else:
-        store_result(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, o_row - row_offset, i_split, out_ptr, gate_ptr,
-                     lse_ptr, part_acc_ptr, part_ml_ptr, v_scale, Hq, stride_o_row, stride_o_head, stride_g_row,
-                     stride_g_head, stride_lse_row, NUM_SPLITS, HEAD_DIM, HAS_GATE, RETURN_LSE)
+    store_accumulator(b_acc, b_acc1, b_m, b_l, o_row, o_head, m_row, o_row - row_offset, i_split, out_ptr, gate_ptr,
+                      lse_ptr, part_acc_ptr, part_ml_ptr, v_scale, Hq, stride_o_row, stride_o_head, stride_g_row,
+                      stride_g_head, stride_lse_row, NUM_SPLITS, HEAD_DIM, HAS_GATE, RETURN_LSE, HALVES)
 
 
 @triton.jit(noinline=True)  # out of line: inlined, the direct step was 0.4-1 us slower on the H200
@@ -430,51 +383,28 @@ def _recompute_splits(q_ptr, k_ptr, v_ptr, idx_ptr, bt_ptr, req_ptr, pos_ptr, se
     o_row = tl.zeros([BLOCK_G], tl.int64) + i_local
     req, pos, seq_len, row_ok = _row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs)
     p_bt = bt_ptr + req * stride_bt
-    p_q = q_ptr + i_r * stride_q_row + o_head[:, None] * stride_q_head
-    HALF: tl.constexpr = HEAD_DIM // 2
-    o_h = tl.arange(0, HALF)
-    if HALVES:
-        b_q = tl.load(p_q + o_h[None, :], mask=m_row[:, None], other=0).to(DOT_DTYPE)
-        b_q1 = tl.load(p_q + HALF + o_h[None, :], mask=m_row[:, None], other=0).to(DOT_DTYPE)
-    else:
-        b_q = tl.load(p_q + tl.arange(0, HEAD_DIM)[None, :], mask=m_row[:, None], other=0).to(DOT_DTYPE)
+    b_q, b_q1 = load_query(q_ptr + i_r * stride_q_row + o_head[:, None] * stride_q_head, m_row, HEAD_DIM, HALVES,
+                           DOT_DTYPE)
     p_list, n_list, ascending = _direct_row_list(idx_ptr + i_r * stride_idx_row,
                                                  scratch_ptr + i_r * stride_scratch_row, pos, row_ok, W,
                                                  max_blocks, BLOCK_SIZE, BLOCK_W)
     o_n = tl.arange(0, BLOCK_N)
-    o_c = tl.arange(0, HEAD_DIM)
     for i_split in range(NUM_SPLITS):
         tile_start, tile_end = split_range(tl.cdiv(W, BLOCK_N), i_split, NUM_SPLITS)
         b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
         b_l = tl.zeros([BLOCK_G], tl.float32)
-        if HALVES:
-            b_acc = tl.zeros([BLOCK_G, HALF], tl.float32)
-            b_acc1 = tl.zeros([BLOCK_G, HALF], tl.float32)
-        else:
-            b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+        b_acc, b_acc1 = zero_accumulator(BLOCK_G, HEAD_DIM, HALVES)
         for i_t in range(tile_start, tile_end):
             b_t, b_phys = _list_entries(p_list, i_t * BLOCK_N + o_n, n_list, p_bt, pos, seq_len, row_ok,
                                         max_blocks, BLOCK_SIZE)
             m_n = (b_phys >= 0) & (b_phys < num_blocks)
-            if HALVES:
-                b_m, b_l, b_acc, b_acc1 = attend_tokens_halves(
-                    b_q, b_q1, b_t, b_phys, m_n, m_row, i_kvh, k_ptr, v_ptr, o_h, b_m, b_l, b_acc, b_acc1,
-                    qk_scale, stride_k_block, stride_k_tok, stride_k_head, stride_v_block, stride_v_tok,
-                    stride_v_head, BLOCK_SIZE, SAME_KV_STRIDES, KV_FP8, DOT_DTYPE)
-            else:
-                b_m, b_l, b_acc = attend_tokens(b_q, b_t, b_phys, m_n, m_row, i_kvh, k_ptr, v_ptr, o_c, b_m, b_l,
-                                                b_acc, qk_scale, stride_k_block, stride_k_tok, stride_k_head,
-                                                stride_v_block, stride_v_tok, stride_v_head, BLOCK_SIZE,
-                                                SAME_KV_STRIDES, KV_FP8, DOT_DTYPE)
-        if HALVES:
-            m_own = m_row & (o_head == i_h)
-            store_partial(b_acc, b_m, b_l, o_row, o_head, m_own, o_h, i_split, part_acc_ptr, part_ml_ptr, Hq,
-                          NUM_SPLITS, HEAD_DIM)
-            store_partial(b_acc1, b_m, b_l, o_row, o_head, m_own, o_h + HALF, i_split, part_acc_ptr, part_ml_ptr,
-                          Hq, NUM_SPLITS, HEAD_DIM)
-        else:
-            store_partial(b_acc, b_m, b_l, o_row, o_head, m_row & (o_head == i_h), o_c, i_split, part_acc_ptr,
-                          part_ml_ptr, Hq, NUM_SPLITS, HEAD_DIM)
+            b_m, b_l, b_acc, b_acc1 = attend_kv_tokens(b_q, b_q1, b_t, b_phys, m_n, m_row, i_kvh, k_ptr, v_ptr, b_m,
+                                                       b_l, b_acc, b_acc1, qk_scale, stride_k_block, stride_k_tok,
+                                                       stride_k_head, stride_v_block, stride_v_tok, stride_v_head,
+                                                       BLOCK_SIZE, SAME_KV_STRIDES, HEAD_DIM, HALVES, KV_FP8,
+                                                       DOT_DTYPE)
+        store_partials(b_acc, b_acc1, b_m, b_l, o_row, o_head, m_row & (o_head == i_h), i_split, part_acc_ptr,
+                       part_ml_ptr, Hq, NUM_SPLITS, HEAD_DIM, HALVES)
 
 
 @triton.jit
