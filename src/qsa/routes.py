@@ -89,7 +89,7 @@ class SplitConfig:
     max_registers: int | None = None  # register cap per thread (``maxnreg``) on the GPU; None: the compiler's
     defer_check: bool = False  # direct xqa, resolved splits: each split checks its own positions and the merge
     # recomputes a row found out of order (``xqa_direct_kernel``'s ``DEFER_CHECK``)
-    qk_halves: bool = False  # direct xqa: K/V tiles and scores over the head's two column halves
+    qk_halves: bool = False  # xqa, planned and direct: K/V tiles and scores over the head's two column halves
     # (``attend_tile_halves``)
 
 

@@ -162,18 +162,15 @@ def attend_tile(
     skipping a multiply by 1 (``PTX``) changes no bit.
     """
     b_s = tl.dot(b_q, tl.trans(b_k))
-    b_s = tl.where(m_attend, b_s, float("-inf"))
-    b_max = tl.max(b_s, 1) * qk_scale
     if LAZY_RESCALE:
+        b_s = tl.where(m_attend, b_s, float("-inf"))
+        b_max = tl.max(b_s, 1) * qk_scale
         # Growth of each row's max past its reference: huge for a row's first scores (reference -inf,
         # floored to a finite value so that -inf - -inf never makes a NaN), -inf where nothing is new.
         b_move = b_max - tl.maximum(b_m, -3.0e38) > RESCALE_SLACK
         b_m_new = tl.where(b_move, tl.maximum(b_m, b_max), b_m)
-    else:
-        b_m_new = tl.maximum(b_m, b_max)
-    # A row that has attended nothing yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
-    b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-    if LAZY_RESCALE:
+        # A row that has attended nothing yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
+        b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
         # Rescaled before the probabilities are computed: in this order the sm_90 kernel with an FP8
         # cache ran 1.15-1.16 ms at prefill-64k-o80 on the H200, against 1.25 ms with the rescale after.
         b_alpha = tl.exp2(b_m - b_shift)
@@ -183,11 +180,22 @@ def attend_tile(
         b_l = b_l + tl.sum(b_p, 1)
         b_acc = tl.dot(b_p.to(P_DTYPE), b_v, b_acc)
     else:
-        b_p = tl.exp2(b_s * qk_scale - b_shift[:, None])
-        b_alpha = tl.exp2(b_m - b_shift)
-        b_l = b_l * b_alpha + tl.sum(b_p, 1)
+        b_m_new, b_l, b_p, b_alpha = softmax_weights(b_s, m_attend, b_m, b_l, qk_scale)
         b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(P_DTYPE), b_v)
     return b_m_new, b_l, b_acc
+
+
+@triton.jit
+def softmax_weights(b_s, m_attend, b_m, b_l, qk_scale):
+    """The online softmax's step on unscaled scores ``b_s`` (``attend_tile`` without the lazy rescale):
+    (new reference max, new sum, probabilities, the factor that rescales the old sum and accumulator)."""
+    b_s = tl.where(m_attend, b_s, float("-inf"))
+    b_m_new = tl.maximum(b_m, tl.max(b_s, 1) * qk_scale)
+    # A row that has attended nothing yet keeps max -inf; shift by 0 so exp2 gives 0, not NaN.
+    b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+    b_p = tl.exp2(b_s * qk_scale - b_shift[:, None])
+    b_alpha = tl.exp2(b_m - b_shift)
+    return b_m_new, b_l * b_alpha + tl.sum(b_p, 1), b_p, b_alpha
 
 
 @triton.jit
@@ -361,7 +369,7 @@ def attend_tile_halves(
     one layout, and the scores are the sum of two products of half the depth. Each warp's score tile is
     then two independent chains of mma steps, not one as deep as the head (sm_90 SASS at head_dim 256:
     two chains of 8 instead of one of 16, and 348 instead of 465 instructions per tile in the direct
-    kernel's loop). The same softmax step as ``attend_tile`` otherwise; the scores round differently,
+    kernel's loop). The same softmax step as ``attend_tile`` (``softmax_weights``); the scores round differently,
     so every kernel that must give the same bits for a row (xqa planned and direct) takes the same form."""
     HALF: tl.constexpr = o_h.shape[0]
     b_k0 = load_kv_tile(k_ptr, o_ktok, o_h, m_load, KV_FP8, DOT_DTYPE)
@@ -370,13 +378,7 @@ def attend_tile_halves(
     b_v1 = load_kv_tile(v_ptr + HALF, o_vtok, o_h, m_load, KV_FP8, DOT_DTYPE)
     # fma(x, 1, y) is x + y exactly; so written, the compiler does not fold the two products into one.
     b_s = tl.fma(tl.dot(b_q0, tl.trans(b_k0)), 1.0, tl.dot(b_q1, tl.trans(b_k1)))
-    b_s = tl.where(m_attend, b_s, float("-inf"))
-    b_max = tl.max(b_s, 1) * qk_scale
-    b_m_new = tl.maximum(b_m, b_max)
-    b_shift = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-    b_p = tl.exp2(b_s * qk_scale - b_shift[:, None])
-    b_alpha = tl.exp2(b_m - b_shift)
-    b_l = b_l * b_alpha + tl.sum(b_p, 1)
+    b_m_new, b_l, b_p, b_alpha = softmax_weights(b_s, m_attend, b_m, b_l, qk_scale)
     b_p = b_p.to(DOT_DTYPE)
     b_acc0 = b_acc0 * b_alpha[:, None] + tl.dot(b_p, b_v0)
     b_acc1 = b_acc1 * b_alpha[:, None] + tl.dot(b_p, b_v1)
