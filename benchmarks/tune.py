@@ -5,6 +5,7 @@ planner is timed apart from the attention kernels. Results go to ``--out`` as JS
 
     python -m benchmarks.tune --out /tmp/tune          # all workloads
     python -m benchmarks.tune --only prefill           # a subset (substring of the workload name)
+    python -m benchmarks.tune --splitk-only --only mtp  # the splitk kernel's settings only
 """
 
 from __future__ import annotations
@@ -53,12 +54,15 @@ DIRECT_SPLITS_WIDE = (2, 3, 4, 5, 6)
 """... and on wider ones (decode-64: 4 splits fit one wave of two programs per SM on 132 SMs, 5 do not)."""
 MERGE = [(256, 4), (256, 8), (128, 4), (64, 2)]
 """Split-merge settings (columns per program, warps; routes.merge_config) tried on the direct route's total."""
-SPLIT = [  # tile_tokens, num_warps, num_stages, programs_per_sm, prefetch (splitk sweeps the first three; the
-    # direct xqa kernel sweeps them all on workloads of at most routes.DIRECT_MAX_ROWS rows)
+SPLIT = [  # tile_tokens, num_warps, num_stages, programs_per_sm, prefetch (the planned xqa kernel, with the
+    # scores' form of routes.xqa_config; the direct xqa kernel sweeps them too on workloads of at most
+    # routes.DIRECT_MAX_ROWS rows)
     (64, 4, 2, 1, False), (64, 4, 2, 3, False), (64, 4, 3, 1, False), (64, 4, 3, 1, True), (32, 4, 4, 1, True),
     (32, 4, 3, 2, True), (32, 4, 4, 2, True), (64, 8, 3, 1, True), (32, 8, 4, 1, True), (16, 4, 4, 2, True),
     (32, 4, 3, 2, False),
 ]
+SPLITK = [(64, 4, 2), (64, 4, 3), (32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 8, 2), (64, 8, 3)]
+"""splitk settings (tile_tokens, num_warps, num_stages), with the scores' form of routes.splitk_config."""
 DIRECT_RESOLVED = [  # the direct kernel with each split's entries read before its loop (SplitConfig's sixth
     # field, resolve_split; routes.direct_resolves still decides where): the shipped settings and their
     # neighbours; the eighth field, defer_check, checks each split's positions after its loop (the shipped
@@ -98,10 +102,12 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under the Triton interpreter")
     ap.add_argument("--planner-only", action="store_true", help="sweep the planners only")
     ap.add_argument("--no-planner", action="store_true", help="skip the planner sweep")
+    ap.add_argument("--splitk-only", action="store_true", help="sweep the splitk kernel only")
     args = ap.parse_args(argv)
     dev = torch.device("cpu" if args.smoke else "cuda")
     grouped_settings = (GROUPED[0], GROUPED[3]) if args.smoke else GROUPED
     split_settings = (SPLIT[0], SPLIT[3]) if args.smoke else SPLIT
+    splitk_settings = (SPLITK[0], SPLITK[2]) if args.smoke else SPLITK
     planner_settings = (PLANNER[0], PLANNER[-1]) if args.smoke else PLANNER
     row_planner_settings = (ROW_PLANNER[0], (16, 4, True)) if args.smoke else ROW_PLANNER
     direct_splits = (3,) if args.smoke else DIRECT_SPLITS
@@ -131,7 +137,8 @@ def main(argv=None) -> int:
         if args.only and not any(s in scn.name for s in args.only):
             continue
         sweep(scn, dev, record, grouped_settings, split_settings, args.planner_only, planner_settings,
-              row_planner_settings, direct_splits, direct_resolved, direct_splits_wide, merge_settings)
+              row_planner_settings, direct_splits, direct_resolved, direct_splits_wide, merge_settings,
+              splitk_settings, args.splitk_only)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -153,8 +160,10 @@ def same_plan_as(ref_plan):
 
 def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_only: bool = False,
           planner_settings=PLANNER, row_planner_settings=ROW_PLANNER, direct_splits=DIRECT_SPLITS,
-          direct_resolved=DIRECT_RESOLVED, direct_splits_wide=DIRECT_SPLITS_WIDE, merge_settings=MERGE) -> None:
-    """Every setting of one workload: planners, grouped, xqa and splitk, each checked then timed."""
+          direct_resolved=DIRECT_RESOLVED, direct_splits_wide=DIRECT_SPLITS_WIDE, merge_settings=MERGE,
+          splitk_settings=SPLITK, splitk_only: bool = False) -> None:
+    """Every setting of one workload: planners, grouped, xqa and splitk, each checked then timed (with
+    ``splitk_only``, splitk's alone)."""
     t0 = time.time()
     w = attention_workload(scn, dev)
     print(f"# {scn.name}: built in {time.time() - t0:.1f}s, overlap {w.stats['overlap']}, "
@@ -175,6 +184,8 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
     out = torch.empty_like(q)
     kw = dict(out=out, lse=None, gate=None, softmax_scale=scn.head_dim ** -0.5, k_scale=c.k_scale,
               v_scale=c.v_scale, kv_fp8=c.kv_cache_dtype == "fp8_e4m3")
+    if splitk_only:
+        return sweep_splitk(scn, w, inputs, q, kw, splitk_settings, record, check)
     record(scn.name, "plan-single", "-", lambda: plan_single_rows(**inputs, out=single))
     if scn.num_reqs > 1 or rows <= 16:  # decode and MTP: the row planner's step width and warps
         check_row_plan = same_plan_as(plan_single_rows(**inputs))
@@ -217,7 +228,7 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
                                  v_scale=c.v_scale, out=out)
         record(scn.name, "grouped-total", "default", total, check)
     for setting in split_settings:
-        cfg = routes.SplitConfig(*setting)
+        cfg = routes.SplitConfig(*setting, qk_halves=routes.xqa_config(G, scn.head_dim).qk_halves)
 
         def run_xqa(cfg=cfg):
             attention.xqa_attention(q, c.k, c.v, single, row_start=0, config=cfg, **kw)
@@ -261,16 +272,24 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
                 record(scn.name, "direct-merge", (cols, warps), direct_total, check)
         finally:
             routes.merge_config = default_merge
-    tokens_plan = plan_attention(**{k: v for k, v in inputs.items()}, num_q_heads=scn.num_q_heads,
-                                 num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route="splitk")
-    for setting in split_settings[:3]:
-        cfg = routes.SplitConfig(*setting)
+    sweep_splitk(scn, w, inputs, q, kw, splitk_settings, record, check)
+
+
+def sweep_splitk(scn: Scenario, w, inputs: dict, q, kw: dict, settings, record, check) -> None:
+    """The splitk kernel (its token-list plan made once) at each setting, with the shipped scores' form."""
+    c = w.cache
+    G = scn.num_q_heads // scn.num_kv_heads
+    tokens_plan = plan_attention(**inputs, num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads,
+                                 head_dim=scn.head_dim, route="splitk")
+    halves = routes.splitk_config(G, scn.head_dim).qk_halves
+    for setting in settings:
+        cfg = routes.SplitConfig(*setting, qk_halves=halves)
 
         def run_splitk(cfg=cfg):
             attention.splitk_attention(q, c.k, c.v, tokens_plan.tokens, tokens_plan.token_counts,
                                        w.block_table, w.token_to_req, block_size=c.block_size,
                                        config=cfg, **kw)
-            return out
+            return kw["out"]
         record(scn.name, "splitk-attn", setting, run_splitk, check)
 
 

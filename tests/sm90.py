@@ -142,7 +142,8 @@ def check_single_row_kernel(route, cache):
            "xqa-direct-128": lambda G, d: routes.xqa_direct_config(G, d, 128, kv_fp8=fp8),
            "xqa-direct-unresolved": lambda G, d: dataclasses.replace(routes.xqa_direct_config(G, d),
                                                                       resolve_split=False),
-           "splitk": lambda G, d: routes.splitk_config(G, d)}[route](6, 256)
+           "splitk": lambda G, d: routes.splitk_config(G, d),
+           "splitk-few": lambda G, d: routes.splitk_config(G, d, routes.SPLITK_FEW_LISTS)}[route](6, 256)
     ptrs = _attention_pointers("fp16", cache)
     if route.startswith("xqa-direct"):
         kernel = xqa_direct_kernel
@@ -161,7 +162,7 @@ def check_single_row_kernel(route, cache):
     else:
         kernel = splitk_attention_kernel
         ptrs.update(tok_ptr="*i32", tok_counts_ptr="*i32", bt_ptr="*i32", req_ptr="*i32")
-        cx = dict(BLOCK_N=cfg.tile_tokens)
+        cx = dict(BLOCK_N=cfg.tile_tokens, HALVES=cfg.qk_halves)
     compiled, usage = compile_sm90(kernel, ptrs, dict(G=6, BLOCK_G=16, NUM_SPLITS=4, KV_FP8=cache == "u8",
                                                SAME_KV_STRIDES=True,
                                                DOT_DTYPE=tl.float16, **cx, **FLAGS),
@@ -179,11 +180,10 @@ def check_single_row_kernel(route, cache):
             pair = cache == "u8" and cfg.qk_halves and cfg.max_registers is not None
             assert usage["stack"] <= (8 if pair else 0) and usage["spills"] <= (2 if pair else 0), usage
         assert usage["loop_spills"] == 0, (route, cache, usage)  # capped: spills only outside the loop
-    if route.startswith("xqa"):
-        # With the scores over column halves (routes: head_dim 256, planned and direct alike), each warp's
-        # [16, 32] score tile is two independent chains of 8 mma steps, not one of 16 (the products are not
-        # folded into one).
-        assert qk_chain_depth(compiled) == (8 if cfg.qk_halves else 16), (route, cache, cfg)
+    # With the scores over column halves (routes: head_dim 256; xqa planned and direct alike, and splitk),
+    # each warp's score tile is two independent chains of 8 mma steps, not one of 16 (the products are not
+    # folded into one).
+    assert qk_chain_depth(compiled) == (8 if cfg.qk_halves else 16), (route, cache, cfg)
     return usage
 
 
@@ -368,7 +368,8 @@ def main() -> int:
     for act, cache in (("fp16", "fp16"), ("bf16", "bf16"), ("fp16", "u8")):
         for G in (6, 12, 24):
             print(f"grouped {act}/{cache} G={G}: {check_grouped_kernel(act, cache, G)}")
-    for route in ("xqa", "xqa-direct", "xqa-direct-64", "xqa-direct-128", "xqa-direct-unresolved", "splitk"):
+    for route in ("xqa", "xqa-direct", "xqa-direct-64", "xqa-direct-128", "xqa-direct-unresolved", "splitk",
+                  "splitk-few"):
         for cache in ("fp16", "u8"):
             print(f"{route} {cache}: {check_single_row_kernel(route, cache)}")
     check_merge_and_planner_kernels()

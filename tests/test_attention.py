@@ -63,7 +63,7 @@ def test_split_lists_merge_in_order(route, monkeypatch):
     def use(prefetch):
         small = qsa.routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=prefetch)
         monkeypatch.setattr(qsa.routes, "xqa_config", lambda G, D: small)
-        monkeypatch.setattr(qsa.routes, "splitk_config", lambda G, D: small)
+        monkeypatch.setattr(qsa.routes, "splitk_config", lambda G, D, lists=None: small)
         monkeypatch.setattr(qsa.routes, "grouped_config", lambda G, D, kv_fp8=False: qsa.routes.GroupedConfig(
             rows_per_prog=8, block_m=16, mb=4, num_warps=4, num_stages=2, prefetch=prefetch))
     use(prefetch)
@@ -149,6 +149,59 @@ def test_bitwise_determinism(route):
     mapping = random_mapping(n, generator=g, collision_prone=True)
     moved = case.relocated(mapping, num_blocks_out=int(mapping.max()) + 1)
     _assert_bitwise(base, _run(moved, route), "relocation into a larger cache, collision-prone ids")
+
+
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [(torch.float16, "auto"), (torch.bfloat16, "auto"),
+                                                  (torch.float16, "fp8_e4m3")])
+def test_splitk_score_halves(dtype, kv_cache_dtype, monkeypatch):
+    """splitk with its scores over the head's column halves (``qk_halves``, as shipped at head_dim 256):
+    exact on messy rows with splits merged, and bitwise stable under repeats, permuted indices and
+    relocation. A known-wrong step that takes one column half of the query twice fails the check."""
+    import qsa.kernels.common as kc
+    from test_xqa_direct import _one_half_twice
+
+    case = make_attention_case(rows=13, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=70,
+                               max_seq_len=200, dtype=dtype, kv_cache_dtype=kv_cache_dtype, with_gate=True,
+                               seed=31)
+    halves = qsa.routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, qk_halves=True)
+    monkeypatch.setattr(qsa.routes, "splitk_config", lambda G, D, lists=None: halves)
+    monkeypatch.setattr(qsa.routes, "split_count", lambda programs, max_tiles, per_sm, device: 3)
+    check_route(case, "splitk")
+    base = _run(case, "splitk")
+    _assert_bitwise(base, _run(case, "splitk"), "repeat")
+    g = torch.Generator().manual_seed(32)
+    _assert_bitwise(base, _run(case.with_permuted_indices(g), "splitk"), "permuted indices")
+    mapping = random_mapping(case.cache.num_blocks, generator=g)
+    _assert_bitwise(base, _run(case.relocated(mapping), "splitk"), "relocation")
+    if kv_cache_dtype == "auto" and dtype == torch.float16:
+        monkeypatch.setattr(kc, "attend_tile_halves", _one_half_twice)
+        with pytest.raises(AssertionError):
+            check_route(case, "splitk")
+
+
+def test_splitk_settings_by_head_dim_and_lists():
+    """The shipped splitk settings: column halves at head_dim 256, the whole head below it; short tiles on
+    more stages up to SPLITK_FEW_LISTS lists."""
+    r = qsa.routes
+    assert r.splitk_config(6, 256).qk_halves and not r.splitk_config(6, 128).qk_halves
+    few, many = r.splitk_config(6, 256, r.SPLITK_FEW_LISTS), r.splitk_config(6, 256, r.SPLITK_FEW_LISTS + 1)
+    assert (few.tile_tokens, few.num_stages) == (32, 4) and (many.tile_tokens, many.num_stages) == (64, 2)
+    assert r.splitk_config(6, 256) == many
+
+
+def test_splitk_launch_takes_the_settings_of_its_lists(monkeypatch):
+    """splitk_attention asks for the settings of its rows x KV heads, and the short tiles are exact."""
+    seen = []
+    shipped = qsa.routes.splitk_config
+
+    def spy(G, D, lists=None):
+        seen.append(lists)
+        return shipped(G, D, lists)
+    monkeypatch.setattr(qsa.routes, "splitk_config", spy)
+    case = make_attention_case(rows=9, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=70,
+                               max_seq_len=200, with_gate=True, seed=33)
+    check_route(case, "splitk")
+    assert seen == [18]
 
 
 @pytest.mark.parametrize("route", ROUTES)

@@ -368,6 +368,18 @@ def test_tune_smoke_checks_and_times_every_setting(tmp_path, monkeypatch):
     assert any(len(s) == 9 and s[8] for s in direct)
 
 
+def test_tune_splitk_only(tmp_path, monkeypatch):
+    """``--splitk-only`` times splitk's settings and nothing else, each checked first."""
+    from benchmarks import tune
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert tune.main(["--smoke", "--splitk-only", "--only", "decode", "--out", str(tmp_path)]) == 0
+    records = json.load(open(tmp_path / "tune.json"))["records"]
+    assert {r["what"] for r in records} == {"splitk-attn"}
+    assert all(r["error"] is None and r["median_ms"] > 0 for r in records), records
+    assert {tuple(r["setting"]) for r in records} == {tune.SPLITK[0], tune.SPLITK[2]}
+
+
 def test_ncu_probe_runs_a_scenario(capsys):
     """The profiler driver plans and runs a scenario end to end (tiny shape, interpreter) and refuses a
     selection scenario."""

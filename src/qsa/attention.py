@@ -113,8 +113,9 @@ def _partials(n, hq, splits, d, device):
 
 
 def _score_halves(cfg: routes.SplitConfig, head_dim: int) -> bool:
-    """Whether an xqa launch takes its scores over the head's column halves: as ``cfg`` says, where a half
-    (at least 16 columns) is deep enough for a dot; the planned and the direct kernel decide alike."""
+    """Whether an xqa or splitk launch takes its scores over the head's column halves: as ``cfg`` says,
+    where a half (at least 16 columns) is deep enough for a dot; the planned and the direct xqa kernel
+    decide alike."""
     return cfg.qk_halves and head_dim >= 32
 
 
@@ -230,7 +231,7 @@ def splitk_attention(q, k, v, tokens, counts, block_table, token_to_req, *, bloc
         return
     hkv = k.shape[2]
     G = hq // hkv
-    cfg = config or routes.splitk_config(G, d)
+    cfg = config or routes.splitk_config(G, d, rows * hkv)
     splits = num_splits or routes.split_count(rows * hkv, -(-tokens.shape[1] // cfg.tile_tokens),
                                               cfg.programs_per_sm, q.device)
     q, qk_scale = scores_scale(q, softmax_scale, k_scale)
@@ -242,7 +243,7 @@ def splitk_attention(q, k, v, tokens, counts, block_table, token_to_req, *, bloc
         stride_tok=tokens.stride(0), stride_bt=block_table.stride(0), **strides,
         G=G, BLOCK_G=max(16, next_pow2(G)), BLOCK_N=cfg.tile_tokens, NUM_SPLITS=splits,
         HEAD_DIM=d, BLOCK_SIZE=block_size, KV_FP8=kv_fp8, SAME_KV_STRIDES=same_kv_strides(k, v),
-        DOT_DTYPE=_dot_dtype(q),
+        DOT_DTYPE=_dot_dtype(q), HALVES=_score_halves(cfg, d),
         HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(q.device),
     )

@@ -89,8 +89,8 @@ class SplitConfig:
     max_registers: int | None = None  # register cap per thread (``maxnreg``) on the GPU; None: the compiler's
     defer_check: bool = False  # direct xqa, resolved splits: each split checks its own positions and the merge
     # recomputes a row found out of order (``xqa_direct_kernel``'s ``DEFER_CHECK``)
-    qk_halves: bool = False  # xqa, planned and direct: K/V tiles and scores over the head's two column halves
-    # (``attend_tile_halves``)
+    qk_halves: bool = False  # xqa (planned and direct) and splitk: K/V tiles and scores over the head's two
+    # column halves (``attend_tile_halves``)
 
 
 @dataclass(frozen=True)
@@ -228,8 +228,28 @@ def direct_merge_registers(programs: int, programs_per_sm: int, device: torch.de
     return DIRECT_MAX_REGISTERS
 
 
-def splitk_config(G: int, head_dim: int) -> SplitConfig:
-    return SplitConfig(tile_tokens=64, num_warps=4, num_stages=2)
+SPLITK_FEW_LISTS = 256
+"""Most lists (rows x KV heads) of a splitk launch that take its short tiles (``splitk_config``)."""
+
+
+def splitk_config(G: int, head_dim: int, lists: int | None = None) -> SplitConfig:
+    """splitk settings for a launch of ``lists`` = rows x KV heads (None: many).
+
+    At head_dim 256 the scores are taken over the head's column halves (``attend_tile_halves``): on the H200,
+    plan + run against the whole-head form (benchmarks/results/experiments/2026-11-30-2322-splitk-score-halves-
+    nvidia-h200.json, us): prefill-64k-o80 2933-2947 -> 2436-2439, mtp-16 24.8-24.9 -> 23.8-24.4, mtp-8
+    22.3-22.4 -> 20.8-20.9, decode-64 65.2-65.5 -> 60.4-60.6, decode-256 208.4-209.0 -> 195.1-195.3.
+    With the halves, the kernel alone (``benchmarks.tune --splitk-only``, 23:30) took 32-token tiles on 4
+    stages best up to 256 lists (decode-256 0.147 ms against 0.189 with 64-token tiles on 2 stages,
+    decode-64 0.053 against 0.057, mtp-16 0.017 against 0.019, mtp-8 0.016 against 0.018) and 64-token
+    tiles on 2 stages at 8192 lists (prefill-64k-o80 2.35 ms against 2.58 with the short tiles). Both
+    together, plan + run against the whole-head 64/4/2 kernel (2026-11-30-2342-splitk-shipped, us): decode-256
+    208.8-209.1 -> 155.0-155.3, decode-64 64.7-64.9 -> 60.8-61.1, mtp-16 25.0-25.3 -> 23.0-23.1, mtp-8
+    22.1 -> 20.2, decode-1 18.7-18.8 -> 16.6-16.8, prefill-64k-o80 2932-2944 -> 2440-2445."""
+    halves = head_dim >= 256
+    if lists is not None and lists <= SPLITK_FEW_LISTS and head_dim <= 256:
+        return SplitConfig(tile_tokens=32, num_warps=4, num_stages=4, qk_halves=halves)
+    return SplitConfig(tile_tokens=64, num_warps=4, num_stages=2, qk_halves=halves)
 
 
 def page4_refusal(G: int, head_dim: int) -> str | None:

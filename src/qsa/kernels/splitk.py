@@ -2,12 +2,14 @@
 
 Each program takes one row, one KV head and one fixed-size run of the row's token list, gathers
 K/V token by token through the block table, and writes fp32 partials that ``merge_splits_kernel``
-combines in a fixed order. Any G works (the head tile is padded to a power of two >= 16)."""
+combines in a fixed order. Any G works (the head tile is padded to a power of two >= 16). With
+``HALVES`` (``routes.splitk_config``: head_dim 256) the scores are taken over the head's column halves,
+as in the xqa kernels (``attend_tile_halves``)."""
 
 import triton
 import triton.language as tl
 
-from .common import attend_kv_tokens, enter_launch, split_range, store_result
+from .common import attend_kv_tokens, enter_launch, load_query, split_range, store_accumulator, zero_accumulator
 
 
 @triton.jit
@@ -53,6 +55,7 @@ def splitk_attention_kernel(
     DOT_DTYPE: tl.constexpr,
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
+    HALVES: tl.constexpr = False,  # scores over the head's column halves (attend_tile_halves)
     PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     enter_launch(PDL)
@@ -64,9 +67,8 @@ def splitk_attention_kernel(
     o_head = i_kvh * G + o_m
     m_row = o_m < G
     o_row = tl.zeros([BLOCK_G], tl.int64) + i_r
-    o_d = tl.arange(0, HEAD_DIM)
-    p_q = q_ptr + i_r * stride_q_row + o_head[:, None] * stride_q_head + o_d[None, :]
-    b_q = tl.load(p_q, mask=m_row[:, None], other=0).to(DOT_DTYPE)
+    b_q0, b_q1 = load_query(q_ptr + i_r * stride_q_row + o_head[:, None] * stride_q_head, m_row, HEAD_DIM, HALVES,
+                            DOT_DTYPE)
 
     count = tl.load(tok_counts_ptr + i_r)
     req = tl.load(req_ptr + i_r).to(tl.int64)
@@ -74,17 +76,17 @@ def splitk_attention_kernel(
     tile_start, tile_end = split_range(tl.cdiv(count, BLOCK_N), i_split, NUM_SPLITS)
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
-    b_acc = tl.zeros([BLOCK_G, HEAD_DIM], tl.float32)
+    b_acc0, b_acc1 = zero_accumulator(BLOCK_G, HEAD_DIM, HALVES)
     for i_t in range(tile_start, tile_end):
         o_e = i_t * BLOCK_N + o_n
         m_n = o_e < count
         b_t = tl.load(tok_ptr + i_r * stride_tok + o_e, mask=m_n, other=0)
         b_phys = tl.load(bt_ptr + req * stride_bt + b_t // BLOCK_SIZE, mask=m_n, other=0)
-        b_m, b_l, b_acc, _ = attend_kv_tokens(b_q, b_q, b_t, b_phys, m_n, m_row, i_kvh, k_ptr, v_ptr, b_m, b_l, b_acc,
-                                              b_acc, qk_scale, stride_k_block, stride_k_tok, stride_k_head,
-                                              stride_v_block, stride_v_tok, stride_v_head, BLOCK_SIZE, SAME_KV_STRIDES,
-                                              HEAD_DIM, False, KV_FP8, DOT_DTYPE)
+        b_m, b_l, b_acc0, b_acc1 = attend_kv_tokens(b_q0, b_q1, b_t, b_phys, m_n, m_row, i_kvh, k_ptr, v_ptr, b_m, b_l,
+                                                    b_acc0, b_acc1, qk_scale, stride_k_block, stride_k_tok,
+                                                    stride_k_head, stride_v_block, stride_v_tok, stride_v_head,
+                                                    BLOCK_SIZE, SAME_KV_STRIDES, HEAD_DIM, HALVES, KV_FP8, DOT_DTYPE)
 
-    store_result(b_acc, b_m, b_l, o_row, o_head, m_row, o_d, o_row, i_split, out_ptr, gate_ptr, lse_ptr,
-                 part_acc_ptr, part_ml_ptr, v_scale, Hq, stride_o_row, stride_o_head, stride_g_row, stride_g_head,
-                 stride_lse_row, NUM_SPLITS, HEAD_DIM, HAS_GATE, RETURN_LSE)
+    store_accumulator(b_acc0, b_acc1, b_m, b_l, o_row, o_head, m_row, o_row, i_split, out_ptr, gate_ptr, lse_ptr,
+                      part_acc_ptr, part_ml_ptr, v_scale, Hq, stride_o_row, stride_o_head, stride_g_row,
+                      stride_g_head, stride_lse_row, NUM_SPLITS, HEAD_DIM, HAS_GATE, RETURN_LSE, HALVES)
