@@ -247,7 +247,7 @@ def splitk_config(G: int, head_dim: int, lists: int | None = None) -> SplitConfi
     208.8-209.1 -> 155.0-155.3, decode-64 64.7-64.9 -> 60.8-61.1, mtp-16 25.0-25.3 -> 23.0-23.1, mtp-8
     22.1 -> 20.2, decode-1 18.7-18.8 -> 16.6-16.8, prefill-64k-o80 2932-2944 -> 2440-2445."""
     halves = head_dim >= 256
-    if lists is not None and lists <= SPLITK_FEW_LISTS and head_dim <= 256:
+    if lists is not None and lists <= SPLITK_FEW_LISTS:
         return SplitConfig(tile_tokens=32, num_warps=4, num_stages=4, qk_halves=halves)
     return SplitConfig(tile_tokens=64, num_warps=4, num_stages=2, qk_halves=halves)
 
