@@ -40,6 +40,17 @@ def main() -> int:
             ok = bool(torch.isfinite(out).all())
             bad += not ok
             print(f"{kv_cache_dtype:9s} {route:8s} {kw} finite={ok}")
+        # splitk's long tiles (shipped past SPLITK_FEW_LISTS lists; three stages over an FP8 cache).
+        few = qsa.routes.SPLITK_FEW_LISTS
+        qsa.routes.SPLITK_FEW_LISTS = 0
+        try:
+            out, lse = case.run(qsa.sparse_paged_attention, route="splitk", return_lse=True)
+            torch.cuda.synchronize()
+        finally:
+            qsa.routes.SPLITK_FEW_LISTS = few
+        ok = bool(torch.isfinite(out).all())
+        bad += not ok
+        print(f"{kv_cache_dtype:9s} splitk   long tiles finite={ok}")
         # Wild rows sorted with negatives last: the row planner's ascending-row path (xqa, splitk).
         given = case.indices
         case.indices = negatives_last(given)

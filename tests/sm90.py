@@ -142,8 +142,8 @@ def check_single_row_kernel(route, cache):
            "xqa-direct-128": lambda G, d: routes.xqa_direct_config(G, d, 128, kv_fp8=fp8),
            "xqa-direct-unresolved": lambda G, d: dataclasses.replace(routes.xqa_direct_config(G, d),
                                                                       resolve_split=False),
-           "splitk": lambda G, d: routes.splitk_config(G, d),
-           "splitk-few": lambda G, d: routes.splitk_config(G, d, routes.SPLITK_FEW_LISTS)}[route](6, 256)
+           "splitk": lambda G, d: routes.splitk_config(G, d, kv_fp8=fp8),
+           "splitk-few": lambda G, d: routes.splitk_config(G, d, routes.SPLITK_FEW_LISTS, kv_fp8=fp8)}[route](6, 256)
     ptrs = _attention_pointers("fp16", cache)
     if route.startswith("xqa-direct"):
         kernel = xqa_direct_kernel

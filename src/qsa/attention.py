@@ -231,7 +231,7 @@ def splitk_attention(q, k, v, tokens, counts, block_table, token_to_req, *, bloc
         return
     hkv = k.shape[2]
     G = hq // hkv
-    cfg = config or routes.splitk_config(G, d, rows * hkv)
+    cfg = config or routes.splitk_config(G, d, rows * hkv, kv_fp8=kv_fp8)
     splits = num_splits or routes.split_count(rows * hkv, -(-tokens.shape[1] // cfg.tile_tokens),
                                               cfg.programs_per_sm, q.device)
     q, qk_scale = scores_scale(q, softmax_scale, k_scale)

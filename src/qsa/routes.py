@@ -232,8 +232,8 @@ SPLITK_FEW_LISTS = 256
 """Most lists (rows x KV heads) of a splitk launch that take its short tiles (``splitk_config``)."""
 
 
-def splitk_config(G: int, head_dim: int, lists: int | None = None) -> SplitConfig:
-    """splitk settings for a launch of ``lists`` = rows x KV heads (None: many).
+def splitk_config(G: int, head_dim: int, lists: int | None = None, kv_fp8: bool = False) -> SplitConfig:
+    """splitk settings for a launch of ``lists`` = rows x KV heads (None: many), over an FP8 cache or not.
 
     At head_dim 256 the scores are taken over the head's column halves (``attend_tile_halves``): on the H200,
     plan + run against the whole-head form (benchmarks/results/experiments/2026-11-30-2322-splitk-score-halves-
@@ -245,11 +245,15 @@ def splitk_config(G: int, head_dim: int, lists: int | None = None) -> SplitConfi
     tiles on 2 stages at 8192 lists (prefill-64k-o80 2.35 ms against 2.58 with the short tiles). Both
     together, plan + run against the whole-head 64/4/2 kernel (2026-11-30-2342-splitk-shipped, us): decode-256
     208.8-209.1 -> 155.0-155.3, decode-64 64.7-64.9 -> 60.8-61.1, mtp-16 25.0-25.3 -> 23.0-23.1, mtp-8
-    22.1 -> 20.2, decode-1 18.7-18.8 -> 16.6-16.8, prefill-64k-o80 2932-2944 -> 2440-2445."""
+    22.1 -> 20.2, decode-1 18.7-18.8 -> 16.6-16.8, prefill-64k-o80 2932-2944 -> 2440-2445.
+
+    Over an FP8 cache, whose tiles are converted in registers, the long tiles take a third stage: the same
+    sweep measured prefill-64k-o80 with an FP8 cache at 3.26 ms on 3 stages against 3.84 on 2 (32/4/4:
+    3.44). Up to ``SPLITK_FEW_LISTS`` lists an FP8 cache takes the fp16 settings (not swept apart)."""
     halves = head_dim >= 256
     if lists is not None and lists <= SPLITK_FEW_LISTS:
         return SplitConfig(tile_tokens=32, num_warps=4, num_stages=4, qk_halves=halves)
-    return SplitConfig(tile_tokens=64, num_warps=4, num_stages=2, qk_halves=halves)
+    return SplitConfig(tile_tokens=64, num_warps=4, num_stages=3 if kv_fp8 else 2, qk_halves=halves)
 
 
 def page4_refusal(G: int, head_dim: int) -> str | None:
