@@ -381,24 +381,27 @@ def test_direct_narrow_rows(width):
 
 
 def test_direct_split_count_leaves_no_split_empty(monkeypatch):
-    """On a 132-SM GPU: about two programs per SM, at most DIRECT_MAX_SPLITS, the most splits that fit
-    one wave where more would put over 1/8 of a wave into a second one, and the fewest splits with the
-    same most tiles per split (a 65-tile row cut 32 ways would leave 10 splits empty)."""
+    """On a 132-SM GPU: about two programs per SM (one up to DIRECT_ALONE_LISTS lists), at most
+    DIRECT_MAX_SPLITS, the most splits that fit one wave where more would put over 1/8 of a wave into a
+    second one, and the fewest splits with the same most tiles per split (a 65-tile row cut 32 ways would
+    leave 10 splits empty)."""
     monkeypatch.setattr(routes, "device_facts", lambda dev: dict(kind="cuda", sm_count=132))
     gpu = torch.device("cuda")
-    # 16 lists: 17 splits (272 programs, 8 past the wave); 64 lists: 4 (one wave), not 5 (320)
-    assert [routes.direct_split_count(p, 65, 2, gpu) for p in (1, 5, 8, 16, 32, 64, 128, 264)] == \
-        [33, 33, 33, 17, 9, 4, 2, 1]
-    for programs in range(1, 300, 7):
+    # 5 lists: 22 splits of 3 tiles (110 programs); 8 lists: 17 of 4 (136, 4 past one per SM); 16 lists: 17
+    # splits (272 programs, 8 past the wave of two per SM); 64 lists: 4 (one wave), not 5 (320)
+    assert [routes.direct_split_count(p, 65, 2, gpu) for p in (1, 5, 8, 9, 16, 32, 64, 128, 264)] == \
+        [33, 22, 17, 22, 17, 9, 4, 2, 1]
+    for programs in range(1, 300, 3):
+        slots = (1 if programs <= routes.DIRECT_ALONE_LISTS else 2) * 132
         for tiles in (1, 2, 3, 17, 64, 65, 129):
             s = routes.direct_split_count(programs, tiles, 2, gpu)
             per = -(-tiles // s)
-            want = max(1, min(routes.DIRECT_MAX_SPLITS, tiles, -(-264 // programs))) if programs < 264 else 1
-            if programs * want > 264 + 33:
-                want = 264 // programs
+            want = max(1, min(routes.DIRECT_MAX_SPLITS, tiles, -(-slots // programs))) if programs < slots else 1
+            if programs <= slots and programs * want > slots + slots // 8:
+                want = slots // programs
             assert 1 <= s <= want and per == -(-tiles // want) and (s - 1) * per < tiles, (programs, tiles, s)
-            if programs <= 264 and s * programs > 264:
-                assert s * programs <= 264 + 33, (programs, tiles, s)
+            if programs <= slots and s * programs > slots:
+                assert s * programs <= slots + slots // 8, (programs, tiles, s)
 
 
 def test_direct_resolves_splits_up_to_the_cap(monkeypatch):
@@ -461,6 +464,7 @@ def test_direct_register_cap_and_programs_per_sm(monkeypatch):
     kx_kernel = kx.xqa_direct_kernel
     monkeypatch.setattr(kx, "xqa_direct_kernel", Spy())
     monkeypatch.setattr(routes, "device_facts", lambda dev: dict(kind="cuda", sm_count=4))
+    monkeypatch.setattr(routes, "DIRECT_ALONE_LISTS", 0)  # 3 lists: the count for the config's programs per SM
     for cap_lists, kv_cache_dtype, want in ((16, "auto", (3, 168)), (1, "auto", (3, None)),
                                              (1, "fp8_e4m3", (4, 168))):
         # 3 lists of 22 tiles on 4 SMs: 3 splits at two programs per SM (9 programs on 8 slots, within

@@ -53,6 +53,9 @@ DIRECT_CAP_LISTS = 16
 DIRECT_WAVE_SLACK = 8
 """The direct kernel's split count may put up to 1/8 of a wave into a second one; past that it takes
 the most splits that fit one wave (see :func:`direct_split_count`)."""
+DIRECT_ALONE_LISTS = 8
+"""Up to this many lists the direct kernel's splits aim at one program per SM, not two
+(:func:`direct_split_count`)."""
 
 _logged: set[str] = set()
 
@@ -392,7 +395,17 @@ def direct_split_count(programs: int, tiles: int, programs_per_sm: int, device: 
     tiles (one wave, resolved) 52.6; FP8 63.0 -> 47.0; bf16 54.6 -> 52.4; 12/1 55.6 -> 53.8; 24/2 (128
     lists) 3 splits 90.4, 2 splits resolved 85.3. Where few programs spill over, more splits stay
     better: mtp-16 (17 splits, 272 programs) 18.9 against 19.9 for 13 splits in one wave
-    (benchmarks/results/experiments/2026-11-30-0736-direct-table-chain-waves-nvidia-h200.json)."""
+    (benchmarks/results/experiments/2026-11-30-0736-direct-table-chain-waves-nvidia-h200.json).
+
+    Up to ``DIRECT_ALONE_LISTS`` lists the count aims at one program per SM: a program then has its SM
+    to itself (beside the waiting merge), and runs more tiles. On the H200 (the direct step alone, us,
+    three rounds; benchmarks/results/experiments/2026-12-01-0340-direct-split-counts-nvidia-h200.json):
+    mtp-8 33 splits of 2 tiles (264 programs) 14.05-14.14, 17 of 4 (136) 13.73-13.89, 22 of 3 (176)
+    14.43-14.46; mtp-5 33 of 2 (165) 13.34-13.38, 22 of 3 (110) 12.74-12.83. At 16 lists two per SM
+    stay faster: mtp-16 17 splits of 4 (272) 16.35-16.83, 13 of 5 (208) 18.05-18.08; decode-16 22.35-22.43
+    against 22.58-22.62."""
+    if programs <= DIRECT_ALONE_LISTS:
+        programs_per_sm = 1
     want = split_count(programs, tiles, programs_per_sm, device, cap=DIRECT_MAX_SPLITS)
     facts = device_facts(str(device))
     slots = programs_per_sm * facts["sm_count"]
