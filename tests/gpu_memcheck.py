@@ -40,17 +40,23 @@ def main() -> int:
             ok = bool(torch.isfinite(out).all())
             bad += not ok
             print(f"{kv_cache_dtype:9s} {route:8s} {kw} finite={ok}")
-        # splitk's long tiles (shipped past SPLITK_FEW_LISTS lists; three stages over an FP8 cache).
-        few = qsa.routes.SPLITK_FEW_LISTS
-        qsa.routes.SPLITK_FEW_LISTS = 0
-        try:
-            out, lse = case.run(qsa.sparse_paged_attention, route="splitk", return_lse=True)
-            torch.cuda.synchronize()
-        finally:
-            qsa.routes.SPLITK_FEW_LISTS = few
-        ok = bool(torch.isfinite(out).all())
-        bad += not ok
-        print(f"{kv_cache_dtype:9s} splitk   long tiles finite={ok}")
+        # splitk's long and short tiles, whichever the case's lists would take (the long ones: past
+        # SPLITK_FEW_LISTS lists outside the one-wave window, and past SPLITK_FP8_FEW_LISTS over an FP8 cache,
+        # on three stages there).
+        names = ("SPLITK_FEW_LISTS", "SPLITK_FP8_FEW_LISTS", "SPLITK_SHORT_PER_SM")
+        bounds = {k: getattr(qsa.routes, k) for k in names}
+        for tiles, value in (("long", 0), ("short", 1 << 30)):
+            for k in names:
+                setattr(qsa.routes, k, value)
+            try:
+                out, lse = case.run(qsa.sparse_paged_attention, route="splitk", return_lse=True)
+                torch.cuda.synchronize()
+            finally:
+                for k, v in bounds.items():
+                    setattr(qsa.routes, k, v)
+            ok = bool(torch.isfinite(out).all())
+            bad += not ok
+            print(f"{kv_cache_dtype:9s} splitk   {tiles} tiles finite={ok}")
         # Wild rows sorted with negatives last: the row planner's ascending-row path (xqa, splitk).
         given = case.indices
         case.indices = negatives_last(given)

@@ -143,7 +143,8 @@ def check_single_row_kernel(route, cache):
            "xqa-direct-unresolved": lambda G, d: dataclasses.replace(routes.xqa_direct_config(G, d),
                                                                       resolve_split=False),
            "splitk": lambda G, d: routes.splitk_config(G, d, kv_fp8=fp8),
-           "splitk-few": lambda G, d: routes.splitk_config(G, d, routes.SPLITK_FEW_LISTS, kv_fp8=fp8)}[route](6, 256)
+           "splitk-few": lambda G, d: routes.splitk_config(
+               G, d, routes.SPLITK_FP8_FEW_LISTS if fp8 else routes.SPLITK_FEW_LISTS, kv_fp8=fp8)}[route](6, 256)
     ptrs = _attention_pointers("fp16", cache)
     if route.startswith("xqa-direct"):
         kernel = xqa_direct_kernel
@@ -171,6 +172,10 @@ def check_single_row_kernel(route, cache):
     assert usage["shared"] <= SMEM_LIMIT, usage
     assert usage["pdl"], usage
     assert usage["local"] == 0, usage  # no spills
+    if route == "splitk-few" and not fp8:
+        # The short tiles' one-wave window (routes.splitk_config) counts this many programs per SM.
+        assert_resident(routes.SPLITK_SHORT_PER_SM, cfg.num_warps, usage, (route, cache, cfg))
+        assert (cfg.tile_tokens, cfg.num_stages) == (32, 4), cfg
     if route.startswith("xqa-direct"):
         # The programs per SM that the split count assumes fit.
         assert_resident(cfg.programs_per_sm, cfg.num_warps, usage, (route, cache, cfg))

@@ -63,7 +63,7 @@ def test_split_lists_merge_in_order(route, monkeypatch):
     def use(prefetch):
         small = qsa.routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=prefetch)
         monkeypatch.setattr(qsa.routes, "xqa_config", lambda G, D: small)
-        monkeypatch.setattr(qsa.routes, "splitk_config", lambda G, D, lists=None, kv_fp8=False: small)
+        monkeypatch.setattr(qsa.routes, "splitk_config", lambda G, D, lists=None, kv_fp8=False, sm_count=None: small)
         monkeypatch.setattr(qsa.routes, "grouped_config", lambda G, D, kv_fp8=False: qsa.routes.GroupedConfig(
             rows_per_prog=8, block_m=16, mb=4, num_warps=4, num_stages=2, prefetch=prefetch))
     use(prefetch)
@@ -164,7 +164,7 @@ def test_splitk_score_halves(dtype, kv_cache_dtype, monkeypatch):
                                max_seq_len=200, dtype=dtype, kv_cache_dtype=kv_cache_dtype, with_gate=True,
                                seed=31)
     halves = qsa.routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, qk_halves=True)
-    monkeypatch.setattr(qsa.routes, "splitk_config", lambda G, D, lists=None, kv_fp8=False: halves)
+    monkeypatch.setattr(qsa.routes, "splitk_config", lambda G, D, lists=None, kv_fp8=False, sm_count=None: halves)
     monkeypatch.setattr(qsa.routes, "split_count", lambda programs, max_tiles, per_sm, device: 3)
     check_route(case, "splitk")
     base = _run(case, "splitk")
@@ -181,39 +181,61 @@ def test_splitk_score_halves(dtype, kv_cache_dtype, monkeypatch):
 
 def test_splitk_settings_by_head_dim_and_lists():
     """The shipped splitk settings: column halves at head_dim 256, the whole head below it; short tiles on
-    more stages up to SPLITK_FEW_LISTS lists; past them a third stage over an FP8 cache."""
+    more stages up to SPLITK_FEW_LISTS lists, and again where the lists take one split each and fit one wave
+    of the short kernel on a GPU of known SM count; over an FP8 cache short tiles up to SPLITK_FP8_FEW_LISTS,
+    then long tiles on three stages."""
     r = qsa.routes
     assert r.splitk_config(6, 256).qk_halves and not r.splitk_config(6, 128).qk_halves
     few, many = r.splitk_config(6, 256, r.SPLITK_FEW_LISTS), r.splitk_config(6, 256, r.SPLITK_FEW_LISTS + 1)
     assert (few.tile_tokens, few.num_stages) == (32, 4) and (many.tile_tokens, many.num_stages) == (64, 2)
     assert r.splitk_config(6, 256) == many
-    few8 = r.splitk_config(6, 256, r.SPLITK_FEW_LISTS, kv_fp8=True)
-    many8 = r.splitk_config(6, 256, r.SPLITK_FEW_LISTS + 1, kv_fp8=True)
+    # The one-wave window, on 132 SMs: from 3 programs per SM (one split per list) to SPLITK_SHORT_PER_SM.
+    assert few.programs_per_sm == 3 and r.SPLITK_SHORT_PER_SM == 4
+    window = [lists for lists in range(r.SPLITK_FEW_LISTS + 1, 1200) if r.splitk_config(6, 256, lists, sm_count=132) == few]
+    assert window == list(range(396, 529))
+    assert r.splitk_config(6, 256, 512) == many  # no SM count, no window
+    assert r.splitk_config(6, 256, 512, sm_count=132) == few and r.splitk_config(6, 256, 384, sm_count=132) == many
+    assert r.splitk_config(6, 256, 100, sm_count=132) == few and r.splitk_config(6, 256, 8192, sm_count=132) == many
+    few8 = r.splitk_config(6, 256, r.SPLITK_FP8_FEW_LISTS, kv_fp8=True)
+    many8 = r.splitk_config(6, 256, r.SPLITK_FP8_FEW_LISTS + 1, kv_fp8=True)
     assert few8 == few and (many8.tile_tokens, many8.num_stages, many8.qk_halves) == (64, 3, True)
     assert r.splitk_config(6, 256, kv_fp8=True) == many8
+    assert r.splitk_config(6, 256, 512, kv_fp8=True, sm_count=132) == many8  # no window over FP8
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_splitk_launch_takes_the_settings_of_its_lists(kv_cache_dtype, monkeypatch):
-    """splitk_attention asks for the settings of its rows x KV heads and cache dtype, and the settings it
-    gets are exact: the short tiles, and (lists above the short tiles' bound) the FP8 cache's three stages."""
+    """splitk_attention asks for the settings of its rows x KV heads, cache dtype and SM count (none on the
+    CPU), and every setting it can get is exact: over an FP8 cache the long tiles on three stages and the
+    short ones; else the short tiles, and the long ones past the short tiles' bound."""
     seen = []
     shipped = qsa.routes.splitk_config
 
-    def spy(G, D, lists=None, kv_fp8=False):
-        seen.append((lists, kv_fp8))
-        return shipped(G, D, lists, kv_fp8)
+    def spy(G, D, lists=None, kv_fp8=False, sm_count=None):
+        seen.append((lists, kv_fp8, sm_count))
+        cfg = shipped(G, D, lists, kv_fp8, sm_count)
+        seen.append((cfg.tile_tokens, cfg.num_stages))
+        return cfg
     monkeypatch.setattr(qsa.routes, "splitk_config", spy)
     fp8 = kv_cache_dtype == "fp8_e4m3"
     case = make_attention_case(rows=9, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=70,
                                max_seq_len=200, kv_cache_dtype=kv_cache_dtype, with_gate=True, seed=33)
     check_route(case, "splitk")
-    assert seen == [(18, fp8)]
+    assert seen == [(18, fp8, None), (64, 3) if fp8 else (32, 4)]
+    seen.clear()
     if fp8:
-        monkeypatch.setattr(qsa.routes, "SPLITK_FEW_LISTS", 8)  # 18 lists take the long tiles, 3 stages
-        seen.clear()
+        monkeypatch.setattr(qsa.routes, "SPLITK_FP8_FEW_LISTS", 18)  # 18 lists take the short tiles
         check_route(case, "splitk")
-        assert seen == [(18, True)] and shipped(6, 32, 18, True).num_stages == 3
+        assert seen == [(18, True, None), (32, 4)]
+    else:
+        monkeypatch.setattr(qsa.routes, "SPLITK_FEW_LISTS", 8)  # 18 lists take the long tiles ...
+        check_route(case, "splitk")
+        assert seen == [(18, False, None), (64, 2)]
+        seen.clear()
+        # ... unless a GPU of 5 SMs puts them in the one-wave window (15 to 20 lists).
+        monkeypatch.setattr(qsa.attention, "device_facts", lambda device: {"kind": "cuda", "sm_count": 5})
+        check_route(case, "splitk")
+        assert seen == [(18, False, 5), (32, 4)]
 
 
 @pytest.mark.parametrize("route", ROUTES)

@@ -8,7 +8,7 @@ import torch
 
 from . import routes
 from .plan import GroupedPlan, SingleRowPlan
-from .utils import dot_in_fp32, interpreter_enabled, launch_options, next_pow2
+from .utils import device_facts, dot_in_fp32, interpreter_enabled, launch_options, next_pow2
 
 def _dot_dtype(q: torch.Tensor):
     """Operand dtype of the kernels' dots: q's, or fp32 where the interpreter mishandles bf16."""
@@ -231,7 +231,9 @@ def splitk_attention(q, k, v, tokens, counts, block_table, token_to_req, *, bloc
         return
     hkv = k.shape[2]
     G = hq // hkv
-    cfg = config or routes.splitk_config(G, d, rows * hkv, kv_fp8=kv_fp8)
+    facts = device_facts(str(q.device))
+    cfg = config or routes.splitk_config(G, d, rows * hkv, kv_fp8=kv_fp8,
+                                         sm_count=facts["sm_count"] if facts["kind"] == "cuda" else None)
     splits = num_splits or routes.split_count(rows * hkv, -(-tokens.shape[1] // cfg.tile_tokens),
                                               cfg.programs_per_sm, q.device)
     q, qk_scale = scores_scale(q, softmax_scale, k_scale)

@@ -233,10 +233,17 @@ def direct_merge_registers(programs: int, programs_per_sm: int, device: torch.de
 
 SPLITK_FEW_LISTS = 256
 """Most lists (rows x KV heads) of a splitk launch that take its short tiles (``splitk_config``)."""
+SPLITK_SHORT_PER_SM = 4
+"""Programs of splitk's short-tile kernel that fit an SM at once (sm_90, 6/1/256 fp16: 124 registers and 42 KB
+of shared memory per 128-thread program; the long tiles' 158 and 75 KB fit 3)."""
+SPLITK_FP8_FEW_LISTS = 8
+"""Most lists of a splitk launch over an FP8 cache that take the short tiles."""
 
 
-def splitk_config(G: int, head_dim: int, lists: int | None = None, kv_fp8: bool = False) -> SplitConfig:
-    """splitk settings for a launch of ``lists`` = rows x KV heads (None: many), over an FP8 cache or not.
+def splitk_config(G: int, head_dim: int, lists: int | None = None, kv_fp8: bool = False,
+                  sm_count: int | None = None) -> SplitConfig:
+    """splitk settings for a launch of ``lists`` = rows x KV heads (None: many), over an FP8 cache or not, on
+    a GPU of ``sm_count`` SMs (None: not known).
 
     At head_dim 256 the scores are taken over the head's column halves (``attend_tile_halves``): on the H200,
     plan + run against the whole-head form (benchmarks/results/experiments/2026-11-30-2322-splitk-score-halves-
@@ -250,12 +257,31 @@ def splitk_config(G: int, head_dim: int, lists: int | None = None, kv_fp8: bool 
     208.8-209.1 -> 155.0-155.3, decode-64 64.7-64.9 -> 60.8-61.1, mtp-16 25.0-25.3 -> 23.0-23.1, mtp-8
     22.1 -> 20.2, decode-1 18.7-18.8 -> 16.6-16.8, prefill-64k-o80 2932-2944 -> 2440-2445.
 
-    Over an FP8 cache, whose tiles are converted in registers, the long tiles take a third stage: the same
-    sweep measured prefill-64k-o80 with an FP8 cache at 3.26 ms on 3 stages against 3.84 on 2 (32/4/4:
-    3.44). Up to ``SPLITK_FEW_LISTS`` lists an FP8 cache takes the fp16 settings (not swept apart)."""
+    Past ``SPLITK_FEW_LISTS`` the short tiles win again where the lists take one split each (at least the
+    split target's programs per SM) and fit one wave of ``SPLITK_SHORT_PER_SM`` programs per SM: on the H200
+    (132 SMs) 396 to 528 lists. Plan + run, us (benchmarks/results/experiments/2026-12-01-0445-splitk-tiles-
+    by-lists-nvidia-h200.json): 512 lists (prefill rows at 64K, 6/1) 237 with the long tiles, 189 with the
+    short; decode-512 at 16K 337 against 282; 256 rows of 24/2 185 against 236; bf16 alike. Either side of the
+    window the long tiles stay faster: 384 lists (two splits each) 157 against 175, 640 lists 243 against 289,
+    768 lists 252 against 320, 1024 lists level (357 against 359), 2048 and 4096 lists 685 / 1274 against
+    700 / 1360.
+
+    Over an FP8 cache, whose tiles are converted in registers, the long tiles take a third stage: the 23:30
+    sweep measured prefill-64k-o80 with an FP8 cache at 3.26 ms on 3 stages against 3.84 on 2 (32/4/4: 3.44).
+    There the long tiles are faster from 16 lists on, the short ones up to ``SPLITK_FP8_FEW_LISTS`` (plan +
+    run, us, long against short): mtp-16 24.1 / 26.7, decode-16 25.9 / 27.9, decode-64 57.1 / 60.5,
+    decode-128 82.4 / 87.4, decode-256 142.5 / 152.2, 512 prefill rows 231 / 242; mtp-8 20.6 / 19.3-19.6,
+    decode-1 17.3-17.8 / 16.6-17.3. Between 9 and 15 lists nothing was measured."""
     halves = head_dim >= 256
-    if lists is not None and lists <= SPLITK_FEW_LISTS:
-        return SplitConfig(tile_tokens=32, num_warps=4, num_stages=4, qk_halves=halves)
+    short = SplitConfig(tile_tokens=32, num_warps=4, num_stages=4, qk_halves=halves)
+    if lists is not None:
+        if kv_fp8:
+            if lists <= SPLITK_FP8_FEW_LISTS:
+                return short
+        elif lists <= SPLITK_FEW_LISTS or (
+                sm_count is not None
+                and short.programs_per_sm * sm_count <= lists <= SPLITK_SHORT_PER_SM * sm_count):
+            return short
     return SplitConfig(tile_tokens=64, num_warps=4, num_stages=3 if kv_fp8 else 2, qk_halves=halves)
 
 
