@@ -149,13 +149,9 @@ class Timer:
         return Timing(statistics.median(times), reps, "wall", min(times), max(times))
 
 
-def measure_ceilings(timer: Timer) -> dict:
-    """Copy bandwidth (GB/s, read + write bytes) and fp16 matmul rate (TFLOP/s) of the device."""
+def _matmul_time(timer: Timer, n: int) -> Timing:
+    """One [n, n] @ [n, n] fp16 product, after a warm-up that raises an idle GPU's clock."""
     dev = timer.device
-    if timer.is_cuda:
-        copy_bytes, n = 2 << 30, 8192
-    else:
-        copy_bytes, n = 64 << 20, 256
     gen = torch.Generator(device=dev).manual_seed(0)
     a = torch.randn(n, n, device=dev, dtype=torch.float16, generator=gen)
     b = torch.randn(n, n, device=dev, dtype=torch.float16, generator=gen)
@@ -168,8 +164,12 @@ def measure_ceilings(timer: Timer) -> dict:
                 torch.matmul(a, b, out=c)
             torch.cuda.synchronize(dev)
     torch.matmul(a, b, out=c)
-    t_mm = timer.time(lambda: torch.matmul(a, b, out=c))
-    del a, b, c
+    return timer.time(lambda: torch.matmul(a, b, out=c))
+
+
+def _copy_times(timer: Timer, copy_bytes: int) -> dict:
+    """A device-to-device copy of ``copy_bytes``, captured in a graph and (on the GPU) launched eagerly."""
+    dev = timer.device
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
     src.random_(0, 255)
     dst = torch.empty_like(src)
@@ -179,7 +179,17 @@ def measure_ceilings(timer: Timer) -> dict:
     copies = {"graph": timer.time(lambda: dst.copy_(src), graph=True)}
     if timer.is_cuda:
         copies["eager"] = timer.time(lambda: dst.copy_(src), graph=False)
-    del src, dst
+    return copies
+
+
+def measure_ceilings(timer: Timer) -> dict:
+    """Copy bandwidth (GB/s, read + write bytes) and fp16 matmul rate (TFLOP/s) of the device."""
+    if timer.is_cuda:
+        copy_bytes, n = 2 << 30, 8192
+    else:
+        copy_bytes, n = 64 << 20, 256
+    t_mm = _matmul_time(timer, n)  # its operands are freed before the copy's buffers are allocated
+    copies = _copy_times(timer, copy_bytes)
     if timer.is_cuda:
         torch.cuda.empty_cache()
     copy_gbps = {k: 2 * copy_bytes / (t.median_ms * 1e-3) / 1e9 for k, t in copies.items()}
