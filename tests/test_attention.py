@@ -1,5 +1,7 @@
 """The attention routes against the fp64 reference, their determinism, and their guards."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -179,7 +181,7 @@ def test_splitk_score_halves(dtype, kv_cache_dtype, monkeypatch):
             check_route(case, "splitk")
 
 
-def test_splitk_settings_by_head_dim_and_lists():
+def test_splitk_settings_by_head_dim_and_lists(monkeypatch):
     """The shipped splitk settings: column halves at head_dim 256, the whole head below it; short tiles on
     more stages up to SPLITK_FEW_LISTS lists, and again where the lists take one split each and fit one wave
     of the short kernel on a GPU of known SM count; over an FP8 cache short tiles up to SPLITK_FP8_FEW_LISTS,
@@ -189,18 +191,26 @@ def test_splitk_settings_by_head_dim_and_lists():
     few, many = r.splitk_config(6, 256, r.SPLITK_FEW_LISTS), r.splitk_config(6, 256, r.SPLITK_FEW_LISTS + 1)
     assert (few.tile_tokens, few.num_stages) == (32, 4) and (many.tile_tokens, many.num_stages) == (64, 2)
     assert r.splitk_config(6, 256) == many
-    # The one-wave window, on 132 SMs: from 3 programs per SM (one split per list) to SPLITK_SHORT_PER_SM.
-    assert few.programs_per_sm == 3 and r.SPLITK_SHORT_PER_SM == 4
-    window = [lists for lists in range(r.SPLITK_FEW_LISTS + 1, 1200) if r.splitk_config(6, 256, lists, sm_count=132) == few]
-    assert window == list(range(396, 529))
-    assert r.splitk_config(6, 256, 512) == many  # no SM count, no window
-    assert r.splitk_config(6, 256, 512, sm_count=132) == few and r.splitk_config(6, 256, 384, sm_count=132) == many
+    # Sized by waves on 132 SMs: the short tiles where the splits (3 programs per SM) fit one wave of
+    # SPLITK_SHORT_PER_SM short programs; below the split target otherwise the long tiles in one split each.
+    assert few.programs_per_sm == many.programs_per_sm == 3 and r.SPLITK_SHORT_PER_SM == 4
+    by_lists = {lists: r.splitk_config(6, 256, lists, sm_count=132) for lists in range(r.SPLITK_FEW_LISTS + 1, 1200)}
+    assert [n for n, c in by_lists.items() if c == few] == [*range(257, 265), *range(396, 529)]
+    one = dataclasses.replace(many, programs_per_sm=1)
+    assert [n for n, c in by_lists.items() if c == one] == list(range(265, 396))
+    assert all(c == many for n, c in by_lists.items() if n >= 529)
+    h200 = {"kind": "cuda", "sm_count": 132}
+    monkeypatch.setattr(r, "device_facts", lambda device: h200)
+    cpu = torch.device("cpu")  # with the facts of a 132-SM GPU: the splits the launch gets
+    assert [r.split_count(n, 33, 3, cpu) for n in (264, 300, 395, 396)] == [2, 2, 2, 1]
+    assert all(r.split_count(n, 33, one.programs_per_sm, cpu) == 1 for n in (265, 300, 395))
+    assert r.splitk_config(6, 256, 512) == many and r.splitk_config(6, 256, 300) == many  # no SM count
     assert r.splitk_config(6, 256, 100, sm_count=132) == few and r.splitk_config(6, 256, 8192, sm_count=132) == many
     few8 = r.splitk_config(6, 256, r.SPLITK_FP8_FEW_LISTS, kv_fp8=True)
     many8 = r.splitk_config(6, 256, r.SPLITK_FP8_FEW_LISTS + 1, kv_fp8=True)
     assert few8 == few and (many8.tile_tokens, many8.num_stages, many8.qk_halves) == (64, 3, True)
     assert r.splitk_config(6, 256, kv_fp8=True) == many8
-    assert r.splitk_config(6, 256, 512, kv_fp8=True, sm_count=132) == many8  # no window over FP8
+    assert all(r.splitk_config(6, 256, n, kv_fp8=True, sm_count=132) == many8 for n in (300, 512))  # no waves
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
@@ -214,28 +224,31 @@ def test_splitk_launch_takes_the_settings_of_its_lists(kv_cache_dtype, monkeypat
     def spy(G, D, lists=None, kv_fp8=False, sm_count=None):
         seen.append((lists, kv_fp8, sm_count))
         cfg = shipped(G, D, lists, kv_fp8, sm_count)
-        seen.append((cfg.tile_tokens, cfg.num_stages))
+        seen.append((cfg.tile_tokens, cfg.num_stages, cfg.programs_per_sm))
         return cfg
     monkeypatch.setattr(qsa.routes, "splitk_config", spy)
     fp8 = kv_cache_dtype == "fp8_e4m3"
     case = make_attention_case(rows=9, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=70,
                                max_seq_len=200, kv_cache_dtype=kv_cache_dtype, with_gate=True, seed=33)
     check_route(case, "splitk")
-    assert seen == [(18, fp8, None), (64, 3) if fp8 else (32, 4)]
+    assert seen == [(18, fp8, None), (64, 3, 3) if fp8 else (32, 4, 3)]
     seen.clear()
     if fp8:
         monkeypatch.setattr(qsa.routes, "SPLITK_FP8_FEW_LISTS", 18)  # 18 lists take the short tiles
         check_route(case, "splitk")
-        assert seen == [(18, True, None), (32, 4)]
+        assert seen == [(18, True, None), (32, 4, 3)]
     else:
         monkeypatch.setattr(qsa.routes, "SPLITK_FEW_LISTS", 8)  # 18 lists take the long tiles ...
         check_route(case, "splitk")
-        assert seen == [(18, False, None), (64, 2)]
-        seen.clear()
-        # ... unless a GPU of 5 SMs puts them in the one-wave window (15 to 20 lists).
-        monkeypatch.setattr(qsa.attention, "device_facts", lambda device: {"kind": "cuda", "sm_count": 5})
-        check_route(case, "splitk")
-        assert seen == [(18, False, 5), (32, 4)]
+        assert seen == [(18, False, None), (64, 2, 3)]
+        # ... unless the GPU's SM count sizes the launch by waves: on 5 SMs 18 lists fit one wave of short
+        # programs in one split each (15 to 20 lists); on 7 SMs two splits would not (21 split target), and
+        # the long tiles take one split each.
+        for sms, setting in ((5, (32, 4, 3)), (7, (64, 2, 1))):
+            seen.clear()
+            monkeypatch.setattr(qsa.attention, "device_facts", lambda device, sms=sms: {"kind": "cuda", "sm_count": sms})
+            check_route(case, "splitk")
+            assert seen == [(18, False, sms), setting]
 
 
 @pytest.mark.parametrize("route", ROUTES)

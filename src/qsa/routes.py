@@ -22,6 +22,7 @@ hint; a row that is not sorted after all is sorted inside the direct kernel, cor
 from __future__ import annotations
 
 import logging
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -257,14 +258,19 @@ def splitk_config(G: int, head_dim: int, lists: int | None = None, kv_fp8: bool 
     208.8-209.1 -> 155.0-155.3, decode-64 64.7-64.9 -> 60.8-61.1, mtp-16 25.0-25.3 -> 23.0-23.1, mtp-8
     22.1 -> 20.2, decode-1 18.7-18.8 -> 16.6-16.8, prefill-64k-o80 2932-2944 -> 2440-2445.
 
-    Past ``SPLITK_FEW_LISTS`` the short tiles win again where the lists take one split each (at least the
-    split target's programs per SM) and fit one wave of ``SPLITK_SHORT_PER_SM`` programs per SM: on the H200
-    (132 SMs) 396 to 528 lists. Plan + run, us (benchmarks/results/experiments/2026-12-01-0445-splitk-tiles-
-    by-lists-nvidia-h200.json): 512 lists (prefill rows at 64K, 6/1) 237 with the long tiles, 189 with the
-    short; decode-512 at 16K 337 against 282; 256 rows of 24/2 185 against 236; bf16 alike. Either side of the
-    window the long tiles stay faster: 384 lists (two splits each) 157 against 175, 640 lists 243 against 289,
-    768 lists 252 against 320, 1024 lists level (357 against 359), 2048 and 4096 lists 685 / 1274 against
-    700 / 1360.
+    Past ``SPLITK_FEW_LISTS`` lists, on a GPU of known SM count, the launch is sized by waves. The split
+    count aims at 3 programs per SM (``split_count``); 4 short programs fit an SM (``SPLITK_SHORT_PER_SM``),
+    3 long ones. The short tiles win where the lists' splits fit one wave of short programs (on the H200, 132
+    SMs: 257-264 lists in two splits, 396-528 in one); where they do not and the lists are fewer than the
+    split target, two splits of the long tiles would spill past one wave of them, and one split each is
+    faster. Plan + run, us (benchmarks/results/experiments/2026-12-01-0445-splitk-tiles-by-lists-nvidia-h200.json;
+    rows at the end of a 64K request unless named), long tiles / short / long in one split:
+    264 lists 148.7 / **111.6** / 136.6; 300 lists 151.4 / 158.9 / **136.2** (decode-300 at 16K 209.8 / 237.6 /
+    210.2); 384 lists 156.6 / 175.4 / **137.0** (decode-384 at 16K 239.0 / 246.0 / **230.2**); 512 lists 237 /
+    **189** (decode-512 at 16K 337 / 282; 256 rows of 24/2 236 / 185; bf16 alike). Past the window the long
+    tiles stay faster: 640 lists 243 against 289, 768 lists 252 against 320, 1024 lists level (357 against
+    359), 2048 and 4096 lists 685 / 1274 against 700 / 1360. At 200 and 256 lists the short tiles (105-106)
+    beat both (121-131 and 127-144).
 
     Over an FP8 cache, whose tiles are converted in registers, the long tiles take a third stage: the 23:30
     sweep measured prefill-64k-o80 with an FP8 cache at 3.26 ms on 3 stages against 3.84 on 2 (32/4/4: 3.44).
@@ -274,15 +280,21 @@ def splitk_config(G: int, head_dim: int, lists: int | None = None, kv_fp8: bool 
     decode-1 17.3-17.8 / 16.6-17.3. Between 9 and 15 lists nothing was measured."""
     halves = head_dim >= 256
     short = SplitConfig(tile_tokens=32, num_warps=4, num_stages=4, qk_halves=halves)
-    if lists is not None:
-        if kv_fp8:
-            if lists <= SPLITK_FP8_FEW_LISTS:
-                return short
-        elif lists <= SPLITK_FEW_LISTS or (
-                sm_count is not None
-                and short.programs_per_sm * sm_count <= lists <= SPLITK_SHORT_PER_SM * sm_count):
-            return short
-    return SplitConfig(tile_tokens=64, num_warps=4, num_stages=3 if kv_fp8 else 2, qk_halves=halves)
+    long = SplitConfig(tile_tokens=64, num_warps=4, num_stages=3 if kv_fp8 else 2, qk_halves=halves)
+    if lists is None:
+        return long
+    if kv_fp8:
+        return short if lists <= SPLITK_FP8_FEW_LISTS else long
+    if lists <= SPLITK_FEW_LISTS:
+        return short
+    if sm_count is None:
+        return long
+    target = short.programs_per_sm * sm_count  # split_count's programs
+    if lists * -(-target // lists) <= SPLITK_SHORT_PER_SM * sm_count:  # the splits fit one wave of short programs
+        return short
+    if lists < target:  # two splits would spill past one wave of long programs: one split each
+        return dataclasses.replace(long, programs_per_sm=1)
+    return long
 
 
 def page4_refusal(G: int, head_dim: int) -> str | None:
