@@ -246,7 +246,8 @@ def test_splitk_launch_takes_the_settings_of_its_lists(kv_cache_dtype, monkeypat
         # the long tiles take one split each.
         for sms, setting in ((5, (32, 4, 3)), (7, (64, 2, 1))):
             seen.clear()
-            monkeypatch.setattr(qsa.attention, "device_facts", lambda device, sms=sms: {"kind": "cuda", "sm_count": sms})
+            facts = {"kind": "cuda", "sm_count": sms}
+            monkeypatch.setattr(qsa.attention, "device_facts", lambda device, facts=facts: facts)
             check_route(case, "splitk")
             assert seen == [(18, False, sms), setting]
 

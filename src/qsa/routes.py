@@ -22,8 +22,7 @@ hint; a row that is not sorted after all is sorted inside the direct kernel, cor
 from __future__ import annotations
 
 import logging
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -293,7 +292,7 @@ def splitk_config(G: int, head_dim: int, lists: int | None = None, kv_fp8: bool 
     if lists * -(-target // lists) <= SPLITK_SHORT_PER_SM * sm_count:  # the splits fit one wave of short programs
         return short
     if lists < target:  # two splits would spill past one wave of long programs: one split each
-        return dataclasses.replace(long, programs_per_sm=1)
+        return replace(long, programs_per_sm=1)
     return long
 
 
