@@ -268,7 +268,8 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
         default_merge = routes.merge_config
         try:
             for cols, warps in merge_settings:
-                routes.merge_config = lambda splits, d, cols=cols, warps=warps: (min(cols, d), warps)
+                routes.merge_config = lambda splits, d, xqa_lists=None, cols=cols, warps=warps: (
+                    min(cols, d), warps)
                 record(scn.name, "direct-merge", (cols, warps), direct_total, check)
         finally:
             routes.merge_config = default_merge

@@ -238,6 +238,13 @@ def check_merge_and_planner_kernels():
     fits = [2 * 128 * direct_usage["regs"] + 128 * m["regs"] <= 65536
             and 2 * (direct_usage["shared"] + 1024) + m["shared"] + 1024 <= SM_SHARED for m in merges]
     assert fits == [True, False], (direct_usage, merges)
+    # After a direct launch of few lists (routes.merge_config): programs of fewer columns, uncapped as launched.
+    compile_sm90(xqa_direct_merge_kernel, direct,
+                 dict(G=6, BLOCK_G=16, BLOCK_N=32, BLOCK_W=routes.DIRECT_MAX_WIDTH, NUM_SPLITS=17, BLOCK_S=32,
+                      HEAD_DIM=256, BLOCK_SIZE=16, KV_FP8=False, SAME_KV_STRIDES=True, DOT_DTYPE=tl.float16,
+                      HAS_GATE=True, RETURN_LSE=True, BLOCK_D=routes.merge_config(17, 256, xqa_lists=8)[0],
+                      HALVES=routes.xqa_direct_config(6, 256, 8).qk_halves),
+                 floats=("qk_scale", "v_scale"), num_warps=4)
     rows = {"idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32",
             "ids_ptr": "*i32", "masks_ptr": "*u8", "counts_ptr": "*i32", "unsorted_ptr": "*i32",
             "num_unsorted_ptr": "*i32", "keys_ptr": "*i32"}

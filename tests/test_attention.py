@@ -86,7 +86,7 @@ def test_merge_in_column_chunks(route, cols, warps, monkeypatch):
     case = make_attention_case(rows=9, num_reqs=2, num_q_heads=4, num_kv_heads=2, head_dim=32, width=120,
                                max_seq_len=300, with_gate=True, seed=9)
     monkeypatch.setattr(qsa.routes, "split_count", lambda programs, max_tiles, per_sm, device: 3)
-    monkeypatch.setattr(qsa.routes, "merge_config", lambda splits, d: (cols, warps))
+    monkeypatch.setattr(qsa.routes, "merge_config", lambda splits, d, xqa_lists=None: (cols, warps))
     check_route(case, route)
     mapping = random_mapping(case.cache.num_blocks, generator=torch.Generator().manual_seed(10))
     _assert_bitwise(_run(case, route), _run(case.relocated(mapping), route), "relocation with column chunks")

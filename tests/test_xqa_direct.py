@@ -227,7 +227,7 @@ def test_deferred_merge_by_column_blocks(monkeypatch):
     same as one program per head."""
     case, _ = split_boundary_case()
     whole = run_direct(case, splits=2, defer_check=True)
-    monkeypatch.setattr(routes, "merge_config", lambda splits, d: (d // 2, 2))
+    monkeypatch.setattr(routes, "merge_config", lambda splits, d, xqa_lists=None: (d // 2, 2))
     _assert_bitwise(whole, run_direct(case, splits=2, defer_check=True), "two column programs per head")
 
 
@@ -576,3 +576,58 @@ def test_planned_and_direct_xqa_agree_bitwise(planned_halves, direct_halves, dty
         _assert_bitwise((out, lse), direct, "planned vs direct xqa")
     else:
         assert not torch.equal(out, direct[0])
+
+
+def test_merge_columns_by_xqa_lists():
+    """``routes.merge_config``: a head's columns in one program, except after a direct launch of at most
+    ``XQA_MERGE_FEW_LISTS`` lists (programs of ``XQA_MERGE_FEW_COLUMNS`` columns)."""
+    assert routes.merge_config(17, 256) == (256, 4)
+    assert routes.merge_config(17, 256, xqa_lists=1) == (128, 4)
+    assert routes.merge_config(17, 256, xqa_lists=routes.XQA_MERGE_FEW_LISTS) == (128, 4)
+    assert routes.merge_config(17, 256, xqa_lists=routes.XQA_MERGE_FEW_LISTS + 1) == (256, 4)
+    assert routes.merge_config(9, 128, xqa_lists=1) == (128, 4)
+
+
+@pytest.mark.parametrize("few_lists", [3, 2])
+def test_xqa_merges_take_the_columns_of_their_lists(few_lists, monkeypatch):
+    """The xqa merges ask ``merge_config`` for their launch's lists, the direct step's deferred merge and the
+    planned kernel's alike: two column programs per head where the 3 lists are few (columns patched to
+    half the head), one otherwise. Exact either way; on rows out of order (each column program of the
+    deferred merge recomputes the row) bitwise the same as in order."""
+    import qsa.kernels.common as kc
+    import qsa.kernels.xqa as kx
+
+    monkeypatch.setattr(routes, "XQA_MERGE_FEW_COLUMNS", 8)
+    monkeypatch.setattr(routes, "XQA_MERGE_FEW_LISTS", few_lists)
+    grids = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            grids.append(tuple(grid))
+            return self.kernel[grid]
+
+    monkeypatch.setattr(kx, "xqa_direct_merge_kernel", Spy(kx.xqa_direct_merge_kernel))
+    monkeypatch.setattr(kc, "merge_splits_kernel", Spy(kc.merge_splits_kernel))
+    case = make_attention_case(rows=3, num_reqs=1, num_q_heads=2, num_kv_heads=1, head_dim=16, width=300,
+                               max_seq_len=400, padding_rows=0, seed=31)
+    config = routes.xqa_direct_config(2, 16, 3)
+    assert config.defer_check
+    sorted_rows = ascending_rows(case.indices)
+    case.indices = sorted_rows
+    got = run_direct(case, splits=2, config=config)
+    check(case, got)
+    _assert_bitwise(got, run_direct(case, splits=2, config=config, indices=sorted_rows.flip(1)), "rows out of order")
+    c = case.cache
+    plan = qsa.plan_attention(case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens,
+                              block_size=c.block_size, num_blocks=c.num_blocks, num_q_heads=2, num_kv_heads=1,
+                              head_dim=16, route="xqa")
+    out = torch.full_like(case.q, float("nan"))
+    lse = torch.full(case.q.shape[:2], float("nan"), dtype=torch.float32)
+    attention.xqa_attention(case.q, c.k, c.v, plan.single, row_start=0, out=out, lse=lse, gate=case.gate,
+                            softmax_scale=case.q.shape[2] ** -0.5, k_scale=c.k_scale, v_scale=c.v_scale,
+                            kv_fp8=False, num_splits=2)
+    check(case, (out, lse))
+    assert grids == [(3, 2, 2 if few_lists >= 3 else 1)] * 3, grids

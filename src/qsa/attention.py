@@ -91,12 +91,12 @@ def _rescale_ptx(q, cfg: routes.GroupedConfig) -> bool:
     return q.is_cuda and not interpreter_enabled() and cfg.block_m == 16 * cfg.num_warps
 
 
-def _merge(part_acc, part_ml, *, out, lse, gate, row_offset, v_scale, num_splits):
+def _merge(part_acc, part_ml, *, out, lse, gate, row_offset, v_scale, num_splits, xqa_lists=None):
     from .kernels.common import merge_splits_kernel
 
     n, hq, _, d = part_acc.shape
     strides, g, lse_t = _common(out, out, out, out, gate, lse)
-    block_d, warps = routes.merge_config(num_splits, d)
+    block_d, warps = routes.merge_config(num_splits, d, xqa_lists=xqa_lists)
     merge_splits_kernel[(n, hq, d // block_d)](
         part_acc, part_ml, out, g, lse_t, row_offset, hq, float(v_scale),
         strides["stride_o_row"], strides["stride_o_head"], strides["stride_g_row"],
@@ -150,7 +150,7 @@ def xqa_attention(q, k, v, plan: SingleRowPlan, *, row_start: int, out, lse, gat
     )
     if splits > 1:
         _merge(part_acc, part_ml, out=out, lse=lse, gate=gate, row_offset=row_start, v_scale=v_scale,
-               num_splits=splits)
+               num_splits=splits, xqa_lists=n * hkv)
 
 
 def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions, seq_lens, *, row_start: int,
@@ -209,7 +209,7 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
     if defer:
         from .kernels.xqa import xqa_direct_merge_kernel
 
-        block_d, warps = routes.merge_config(splits, d)
+        block_d, warps = routes.merge_config(splits, d, xqa_lists=n * hkv)
         cap = routes.direct_merge_registers(n * hkv * splits, cfg.programs_per_sm, q.device)
         xqa_direct_merge_kernel[(n, hq, d // block_d)](
             part_acc, part_ml, out, g, lse_t, *inputs, *sizes, **shared, BLOCK_S=next_pow2(splits),
@@ -217,7 +217,7 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
             **launch_options(q.device))
     elif splits > 1:
         _merge(part_acc, part_ml, out=out, lse=lse, gate=gate, row_offset=row_start, v_scale=v_scale,
-               num_splits=splits)
+               num_splits=splits, xqa_lists=n * hkv)
 
 
 def splitk_attention(q, k, v, tokens, counts, block_table, token_to_req, *, block_size: int, out, lse,

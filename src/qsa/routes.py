@@ -203,12 +203,31 @@ def xqa_direct_config(G: int, head_dim: int, lists: int = 1, kv_fp8: bool = Fals
                        max_registers=DIRECT_MAX_REGISTERS if capped else None, qk_halves=head_dim >= 256)
 
 
-def merge_config(num_splits: int, head_dim: int) -> tuple[int, int]:
-    """(columns per program, warps) of ``merge_splits_kernel``: one program per row and head, all of its
-    columns, 4 warps. On the H200 no column split or warp count was faster (plan + run, us, two rounds:
-    mtp-8 xqa 14.6-15.3 with 256 columns on 4 warps, 15.0-15.7 with 256 on 8, 128 or 64 on 4, 64 or 32
-    on 2; mtp-16, decode-1 and decode-64 likewise within noise or slower;
-    benchmarks/results/experiments/2026-11-30-0810-merge-columns-nvidia-h200.json)."""
+XQA_MERGE_FEW_LISTS = 8
+"""Up to this many lists (rows x KV heads) of an xqa launch, planned or direct, its split merge cuts each
+head's columns over programs of ``XQA_MERGE_FEW_COLUMNS`` (:func:`merge_config`)."""
+XQA_MERGE_FEW_COLUMNS = 128
+
+
+def merge_config(num_splits: int, head_dim: int, xqa_lists: int | None = None) -> tuple[int, int]:
+    """(columns per program, warps) of the split merges (``merge_splits_kernel``, and
+    ``xqa_direct_merge_kernel``): one program per row and head, all of its columns, 4 warps; after an xqa
+    launch (``xqa_lists`` given) of at most ``XQA_MERGE_FEW_LISTS`` lists, programs of
+    ``XQA_MERGE_FEW_COLUMNS`` columns. The planned and the direct xqa step take the same columns, so that
+    a row gets the same bits from either (the column count changes how the splits' sum rounds).
+
+    On the H200 (plan + run, us): at first no column split or warp count was faster (two rounds: mtp-8
+    xqa 14.6-15.3 with 256 columns on 4 warps, 15.0-15.7 with 256 on 8, 128 or 64 on 4, 64 or 32 on 2;
+    mtp-16, decode-1 and decode-64 likewise within noise or slower;
+    benchmarks/results/experiments/2026-11-30-0810-merge-columns-nvidia-h200.json). On the deferred
+    merge of today's direct kernel, 128 columns on 4 warps: decode-1 11.52-11.68 -> 11.04-11.20, mtp-8
+    13.57-13.95 -> 13.60-13.79, mtp-5 level (three alternations,
+    benchmarks/results/experiments/2026-12-01-0651-direct-merge-columns-nvidia-h200.json); from 16
+    lists slower (mtp-16 +0.7-0.85, decode-16 +0.55; 2026-12-01-0442-direct-tiles-and-split-rule). The
+    planned kernel's merge at so few lists was not timed (the benchmark's few-row xqa steps are direct);
+    splitk's merge keeps whole heads (not measured either way)."""
+    if xqa_lists is not None and xqa_lists <= XQA_MERGE_FEW_LISTS:
+        return min(head_dim, XQA_MERGE_FEW_COLUMNS), 4
     return head_dim, 4
 
 
