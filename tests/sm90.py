@@ -221,8 +221,10 @@ def check_merge_and_planner_kernels():
 
     partials = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*fp16", "gate_ptr": "*fp16",
                 "lse_ptr": "*fp32"}
-    compile_sm90(merge_splits_kernel, partials,
-                 dict(NUM_SPLITS=8, BLOCK_S=8, HEAD_DIM=256, HAS_GATE=True, RETURN_LSE=True, BLOCK_D=256), floats=("v_scale",))
+    for xqa_lists in (None, 1):  # whole heads, and after an xqa launch of few lists (routes.merge_config)
+        compile_sm90(merge_splits_kernel, partials,
+                     dict(NUM_SPLITS=8, BLOCK_S=8, HEAD_DIM=256, HAS_GATE=True, RETURN_LSE=True,
+                          BLOCK_D=routes.merge_config(8, 256, xqa_lists=xqa_lists)[0]), floats=("v_scale",))
     direct = {**_attention_pointers("fp16", "fp16"), **partials, "idx_ptr": "*i32", "bt_ptr": "*i32",
               "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32", "scratch_ptr": "*i32"}
     merges = [compile_sm90(xqa_direct_merge_kernel, direct,
