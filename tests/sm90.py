@@ -227,13 +227,17 @@ def check_merge_and_planner_kernels():
                           BLOCK_D=routes.merge_config(8, 256, xqa_lists=xqa_lists)[0]), floats=("v_scale",))
     direct = {**_attention_pointers("fp16", "fp16"), **partials, "idx_ptr": "*i32", "bt_ptr": "*i32",
               "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32", "scratch_ptr": "*i32"}
-    merges = [compile_sm90(xqa_direct_merge_kernel, direct,
-                           dict(G=6, BLOCK_G=16, BLOCK_N=32, BLOCK_W=routes.DIRECT_MAX_WIDTH, NUM_SPLITS=17,
-                                BLOCK_S=32, HEAD_DIM=256, BLOCK_SIZE=16, KV_FP8=False, SAME_KV_STRIDES=True,
-                                DOT_DTYPE=tl.float16, HAS_GATE=True, RETURN_LSE=True, BLOCK_D=256,
-                                HALVES=routes.xqa_direct_config(6, 256, 16).qk_halves),
-                           floats=("qk_scale", "v_scale"), num_warps=4, maxnreg=cap)
-              for cap in (routes.DIRECT_MAX_REGISTERS, None)]
+
+    def direct_merge(lists, cap):  # mtp-8 (8 lists) or mtp-16 (16 lists): 17 splits
+        return compile_sm90(xqa_direct_merge_kernel, direct,
+                            dict(G=6, BLOCK_G=16, BLOCK_N=32, BLOCK_W=routes.DIRECT_MAX_WIDTH, NUM_SPLITS=17,
+                                 BLOCK_S=32, HEAD_DIM=256, BLOCK_SIZE=16, KV_FP8=False, SAME_KV_STRIDES=True,
+                                 DOT_DTYPE=tl.float16, HAS_GATE=True, RETURN_LSE=True,
+                                 BLOCK_D=routes.merge_config(17, 256, xqa_lists=lists)[0],
+                                 HALVES=routes.xqa_direct_config(6, 256, lists).qk_halves),
+                            floats=("qk_scale", "v_scale"), num_warps=4, maxnreg=cap)
+
+    merges = [direct_merge(16, cap) for cap in (routes.DIRECT_MAX_REGISTERS, None)]
     # routes.direct_merge_registers: where the direct launch fills two programs per SM, the merge, launched
     # as the direct kernel starts, waits beside them only capped; uncapped (its recompute path) it does not fit.
     direct_usage = check_single_row_kernel("xqa-direct", "fp16")
@@ -241,12 +245,7 @@ def check_merge_and_planner_kernels():
             and 2 * (direct_usage["shared"] + 1024) + m["shared"] + 1024 <= SM_SHARED for m in merges]
     assert fits == [True, False], (direct_usage, merges)
     # After a direct launch of few lists (routes.merge_config): programs of fewer columns, uncapped as launched.
-    compile_sm90(xqa_direct_merge_kernel, direct,
-                 dict(G=6, BLOCK_G=16, BLOCK_N=32, BLOCK_W=routes.DIRECT_MAX_WIDTH, NUM_SPLITS=17, BLOCK_S=32,
-                      HEAD_DIM=256, BLOCK_SIZE=16, KV_FP8=False, SAME_KV_STRIDES=True, DOT_DTYPE=tl.float16,
-                      HAS_GATE=True, RETURN_LSE=True, BLOCK_D=routes.merge_config(17, 256, xqa_lists=8)[0],
-                      HALVES=routes.xqa_direct_config(6, 256, 8).qk_halves),
-                 floats=("qk_scale", "v_scale"), num_warps=4)
+    direct_merge(8, None)
     rows = {"idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32",
             "ids_ptr": "*i32", "masks_ptr": "*u8", "counts_ptr": "*i32", "unsorted_ptr": "*i32",
             "num_unsorted_ptr": "*i32", "keys_ptr": "*i32"}

@@ -579,7 +579,7 @@ def test_planned_and_direct_xqa_agree_bitwise(planned_halves, direct_halves, dty
 
 
 def test_merge_columns_by_xqa_lists():
-    """``routes.merge_config``: a head's columns in one program, except after a direct launch of at most
+    """``routes.merge_config``: a head's columns in one program, except after an xqa launch of at most
     ``XQA_MERGE_FEW_LISTS`` lists (programs of ``XQA_MERGE_FEW_COLUMNS`` columns)."""
     assert routes.merge_config(17, 256) == (256, 4)
     assert routes.merge_config(17, 256, xqa_lists=1) == (128, 4)
@@ -590,10 +590,10 @@ def test_merge_columns_by_xqa_lists():
 
 @pytest.mark.parametrize("few_lists", [3, 2])
 def test_xqa_merges_take_the_columns_of_their_lists(few_lists, monkeypatch):
-    """The xqa merges ask ``merge_config`` for their launch's lists, the direct step's deferred merge and the
-    planned kernel's alike: two column programs per head where the 3 lists are few (columns patched to
-    half the head), one otherwise. Exact either way; on rows out of order (each column program of the
-    deferred merge recomputes the row) bitwise the same as in order."""
+    """Every xqa merge asks ``merge_config`` for its launch's lists (the direct step's deferred merge, its
+    merge without the deferred check, and the planned kernel's): two column programs per head where the 3
+    lists are few (columns patched to half the head), one otherwise. Exact either way; on rows out of
+    order (each column program of the deferred merge recomputes the row) bitwise the same as in order."""
     import qsa.kernels.common as kc
     import qsa.kernels.xqa as kx
 
@@ -620,6 +620,7 @@ def test_xqa_merges_take_the_columns_of_their_lists(few_lists, monkeypatch):
     got = run_direct(case, splits=2, config=config)
     check(case, got)
     _assert_bitwise(got, run_direct(case, splits=2, config=config, indices=sorted_rows.flip(1)), "rows out of order")
+    check(case, run_direct(case, splits=2, config=dataclasses.replace(config, defer_check=False)))
     c = case.cache
     plan = qsa.plan_attention(case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens,
                               block_size=c.block_size, num_blocks=c.num_blocks, num_q_heads=2, num_kv_heads=1,
@@ -630,4 +631,4 @@ def test_xqa_merges_take_the_columns_of_their_lists(few_lists, monkeypatch):
                             softmax_scale=case.q.shape[2] ** -0.5, k_scale=c.k_scale, v_scale=c.v_scale,
                             kv_fp8=False, num_splits=2)
     check(case, (out, lse))
-    assert grids == [(3, 2, 2 if few_lists >= 3 else 1)] * 3, grids
+    assert grids == [(3, 2, 2 if few_lists >= 3 else 1)] * 4, grids

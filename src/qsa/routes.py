@@ -220,7 +220,7 @@ def merge_config(num_splits: int, head_dim: int, xqa_lists: int | None = None) -
     xqa 14.6-15.3 with 256 columns on 4 warps, 15.0-15.7 with 256 on 8, 128 or 64 on 4, 64 or 32 on 2;
     mtp-16, decode-1 and decode-64 likewise within noise or slower;
     benchmarks/results/experiments/2026-11-30-0810-merge-columns-nvidia-h200.json). On the deferred
-    merge of today's direct kernel, 128 columns on 4 warps: decode-1 11.52-11.68 -> 11.04-11.20, mtp-8
+    merge of the direct kernel as of v23, 128 columns on 4 warps: decode-1 11.52-11.68 -> 11.04-11.20, mtp-8
     13.57-13.95 -> 13.60-13.79, mtp-5 level (three alternations,
     benchmarks/results/experiments/2026-12-01-0651-direct-merge-columns-nvidia-h200.json); from 16
     lists slower (mtp-16 +0.7-0.85, decode-16 +0.55; 2026-12-01-0442-direct-tiles-and-split-rule). The
