@@ -60,7 +60,7 @@ def test_split_lists_merge_in_order(route, monkeypatch):
     route = route.replace("-prefetch", "")
     case = make_attention_case(rows=11, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16,
                                block_size=16, width=200, max_seq_len=400, messy=False, seed=4)
-    monkeypatch.setattr(qsa.routes, "split_count", lambda programs, max_tiles, per_sm, device: 3)
+    monkeypatch.setattr(qsa.routes, "split_count", lambda programs, max_tiles, per_sm, device, cap=None: 3)
 
     def use(prefetch):
         small = qsa.routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=prefetch)
@@ -85,7 +85,7 @@ def test_merge_in_column_chunks(route, cols, warps, monkeypatch):
     exact, out and LSE (every column program stores the same LSE), and bitwise stable under relocation."""
     case = make_attention_case(rows=9, num_reqs=2, num_q_heads=4, num_kv_heads=2, head_dim=32, width=120,
                                max_seq_len=300, with_gate=True, seed=9)
-    monkeypatch.setattr(qsa.routes, "split_count", lambda programs, max_tiles, per_sm, device: 3)
+    monkeypatch.setattr(qsa.routes, "split_count", lambda programs, max_tiles, per_sm, device, cap=None: 3)
     monkeypatch.setattr(qsa.routes, "merge_config", lambda splits, d, xqa_lists=None: (cols, warps))
     check_route(case, route)
     mapping = random_mapping(case.cache.num_blocks, generator=torch.Generator().manual_seed(10))
@@ -167,7 +167,7 @@ def test_splitk_score_halves(dtype, kv_cache_dtype, monkeypatch):
                                seed=31)
     halves = qsa.routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, qk_halves=True)
     monkeypatch.setattr(qsa.routes, "splitk_config", lambda G, D, lists=None, kv_fp8=False, sm_count=None: halves)
-    monkeypatch.setattr(qsa.routes, "split_count", lambda programs, max_tiles, per_sm, device: 3)
+    monkeypatch.setattr(qsa.routes, "split_count", lambda programs, max_tiles, per_sm, device, cap=None: 3)
     check_route(case, "splitk")
     base = _run(case, "splitk")
     _assert_bitwise(base, _run(case, "splitk"), "repeat")

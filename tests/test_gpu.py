@@ -189,6 +189,19 @@ def test_direct_xqa_at_real_width(rows, num_reqs, dtype, kv):
         assert torch.equal(out, base[0]), f"CUDA-graph replay {i}"
 
 
+@pytest.mark.parametrize("rows,num_reqs", [(1, 1), (2, 1), (4, 1), (8, 1), (13, 1), (16, 1), (64, 1), (16, 16),
+                                           (64, 64)])
+def test_hint_changes_no_bit_at_real_width(rows, num_reqs):
+    """Rows of whole blocks at 64K through the planned xqa kernel (no ``rows_sorted`` hint) and the direct
+    one (the hint): the same bits, out and LSE, at the GPU's own split counts (``routes.xqa_cut``)."""
+    c = qsa_case(rows=rows, context=65536, num_reqs=num_reqs, seed=5)
+    hint = dict(max_query_len=1 if num_reqs == rows else None)
+    planned = run(c, "xqa", gate=c["gate"], return_lse=True, **hint)
+    direct = run(c, "xqa", gate=c["gate"], return_lse=True, rows_sorted=True, **hint)
+    assert torch.equal(planned[0], direct[0]) and torch.equal(planned[1], direct[1])
+    check_against_reference(c, "xqa")
+
+
 @pytest.mark.parametrize("splits", [3, 5, 9, 17, 33, 65])
 def test_direct_xqa_resolved_splits_at_real_width(splits):
     """MTP rows at 64K through the direct kernel at many split counts, each split's entries resolved before

@@ -528,17 +528,20 @@ def test_direct_merge_launch_settings(monkeypatch):
     assert caps == {routes.DIRECT_MAX_REGISTERS, None}  # both settings were launched
 
 
-def whole_block_case(seed, dtype=torch.float16, kv_cache_dtype="auto"):
-    """Rows that select whole 4-token blocks below their position and the tail of their own block (as the
-    indexer does), ascending: the planned xqa kernel's microblock tiles then hold the same tokens in the
-    same slots as the direct kernel's token tiles."""
-    case = make_attention_case(rows=5, num_reqs=2, num_q_heads=6, num_kv_heads=1, head_dim=32, width=4,
-                               max_seq_len=200, messy=False, padding_rows=0, with_gate=True, dtype=dtype,
+def whole_block_case(seed, dtype=torch.float16, kv_cache_dtype="auto", rows=5, k=9, max_seq_len=200,
+                     at_end=False):
+    """Rows that select whole 4-token blocks below their position (``k``, or all there are) and the tail of
+    their own block (as the indexer does), ascending: the planned xqa kernel's microblock tiles then hold
+    the same tokens in the same slots as the direct kernel's token tiles. ``at_end``: each row at the last
+    position of its request."""
+    case = make_attention_case(rows=rows, num_reqs=2, num_q_heads=6, num_kv_heads=1, head_dim=32, width=4,
+                               max_seq_len=max_seq_len, messy=False, padding_rows=0, with_gate=True, dtype=dtype,
                                kv_cache_dtype=kv_cache_dtype, seed=seed)
+    if at_end:
+        case.positions = case.seq_lens[case.token_to_req.long()].long() - 1
     g = torch.Generator().manual_seed(seed)
-    k = 9
-    idx = torch.full((5, 4 * k + 4), -1, dtype=torch.int32)
-    for r in range(5):
+    idx = torch.full((rows, 4 * k + 4), -1, dtype=torch.int32)
+    for r in range(rows):
         pos = int(case.positions[r])
         blocks = torch.randperm(pos // 4, generator=g)[:k].sort().values
         toks = (blocks[:, None] * 4 + torch.arange(4)).flatten().tolist() + list(range(pos // 4 * 4, pos + 1))
@@ -569,13 +572,74 @@ def test_planned_and_direct_xqa_agree_bitwise(planned_halves, direct_halves, dty
                             config=routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=True,
                                                       qk_halves=planned_halves), num_splits=1)
     check(case, (out, lse))
-    # One split each: the two kernels cut a row's tiles into splits by different counts (plan capacity,
-    # index width), which agree at the real width (2051: 65 tiles of 32 either way), not at this one.
+    # One split each: how the launches cut rows into splits is test_hint_changes_no_bit's.
     direct = run_direct(case, splits=1, resolve_split=True, qk_halves=direct_halves)
     if planned_halves == direct_halves:
         _assert_bitwise((out, lse), direct, "planned vs direct xqa")
     else:
         assert not torch.equal(out, direct[0])
+
+
+# 9 lists on 8 SMs: the direct kernel's two programs per SM against the planned kernel's one, rows shorter
+# than the index width among them (cut by the width's tiles, not their own); 2 lists of 38 tiles on 132 SMs:
+# its cap of 64 splits against 32 (at 64K, one list: 33 splits of 2 tiles against 32 of up to 3).
+@pytest.mark.parametrize("rows,sm_count,k,seed,at_end", [(9, 8, 40, 41, False), (2, 132, 300, 47, True)])
+def test_hint_changes_no_bit(rows, sm_count, k, seed, at_end, monkeypatch):
+    """With and without the ``rows_sorted`` hint (direct kernel, planned kernel), a batch of whole-block
+    rows gets the same bits at the split counts of a GPU (facts of a ``sm_count``-SM one): the planned
+    launch of rows the direct kernel could take cuts them as the direct kernel does (``routes.xqa_cut``),
+    its split count over the index width's tiles, not its own over the plan's capacity. With the planned
+    kernel's own rule (the known-wrong side) the launches take other split counts and the bits differ."""
+    import qsa.kernels.xqa as kx
+
+    gpu = {"kind": "cuda", "sm_count": sm_count, "capability": (9, 0), "name": "fake"}
+    monkeypatch.setattr(routes, "device_facts", lambda device: gpu)
+    case = whole_block_case(seed, rows=rows, k=k, max_seq_len=10 * k, at_end=at_end)
+    width = case.indices.shape[1]
+    assert routes.direct_admits(rows, width)
+    grids = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            grids.append(tuple(grid))
+            return self.kernel[grid]
+
+    monkeypatch.setattr(kx, "xqa_attention_kernel", Spy(kx.xqa_attention_kernel))
+    monkeypatch.setattr(kx, "xqa_direct_kernel", Spy(kx.xqa_direct_kernel))
+    c = case.cache
+
+    def attend(hint, indices=case.indices):
+        return qsa.sparse_paged_attention(case.q, c.k, c.v, indices, case.block_table, case.token_to_req,
+                                          case.positions, case.seq_lens, gate=case.gate, route="xqa",
+                                          return_lse=True, rows_sorted=hint)
+
+    planned, direct = attend(False), attend(True)
+    assert len(grids) == 2 and grids[0] == grids[1], grids
+    tiles = routes.direct_tiles(width, routes.xqa_config(6, 32).tile_tokens)
+    assert grids[0][2] == routes.direct_split_count(rows, tiles, routes.xqa_direct_config(6, 32, rows).programs_per_sm,
+                                                    case.q.device) > 1
+    check(case, planned)
+    _assert_bitwise(planned, direct, "planned vs direct xqa")
+    _assert_bitwise(planned, attend(False, case.indices.flip(1)), "planned, rows reversed")
+    monkeypatch.setattr(routes, "xqa_cut", lambda *a: None)
+    own = attend(False)
+    assert grids[-1][2] != grids[0][2], grids
+    check(case, own)
+    assert not (torch.equal(own[0], direct[0]) and torch.equal(own[1], direct[1]))
+
+
+def test_planned_and_direct_tiles_are_one_size():
+    """``routes.xqa_cut`` cuts planned launches as the direct kernel does only where their tiles are one
+    size: the shipped settings of every shape the page4 routes take."""
+    for G in (1, 2, 6, 12, 16):
+        for d in routes.HEAD_DIMS:
+            for lists in (1, 8, 16, 64):
+                for fp8 in (False, True):
+                    assert routes.xqa_config(G, d).tile_tokens == \
+                        routes.xqa_direct_config(G, d, lists, kv_fp8=fp8).tile_tokens
 
 
 def test_merge_columns_by_xqa_lists():

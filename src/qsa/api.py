@@ -75,8 +75,9 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
         rows_sorted: the caller's rows are sorted as ``select_tokens`` emits them (kept tokens
             ascending, -1 last). Then up to ``routes.DIRECT_MAX_ROWS`` xqa rows are planned inside the
             attention kernel, not by a launch of their own, and planned xqa rows read in several steps
-            skip the sorting planner's launch (:func:`qsa.plan.plan_single_rows`). Never changes the
-            result; a row that is not sorted after all costs an in-kernel sort.
+            skip the sorting planner's launch (:func:`qsa.plan.plan_single_rows`). Changes no bit of a
+            row of whole 4-token blocks and a tail (the indexer's selections; other rows agree within
+            rounding); a row that is not sorted after all costs an in-kernel sort.
     """
     if order not in ("logical", "physical"):
         raise ValueError(f"order must be 'logical' or 'physical', got {order!r}")
@@ -199,7 +200,8 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
         if choice.direct:
             attention.xqa_direct_attention(q, k_cache, v_cache, *plan.inputs, row_start=choice.grouped_rows, **kw)
         elif plan.single is not None:
-            attention.xqa_attention(q, k_cache, v_cache, plan.single, row_start=choice.grouped_rows, **kw)
+            attention.xqa_attention(q, k_cache, v_cache, plan.single, row_start=choice.grouped_rows,
+                                    index_width=plan.inputs[0].shape[1], **kw)
     return (out, lse) if return_lse else out
 
 
@@ -236,7 +238,7 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
             ``auto`` then takes xqa). Changes only which kernel runs, never the token sets.
         rows_sorted: each row of ``indices`` holds its kept tokens ascending and dropped entries last
             (as ``select_tokens`` emits them): small xqa batches then skip the plan launch. Changes
-            only which kernel runs, never the result.
+            which kernel runs, and no bit of a row of whole 4-token blocks and a tail.
 
     Returns:
         ``out`` (q's dtype), or ``(out, lse)`` with ``return_lse``.

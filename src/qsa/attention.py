@@ -121,8 +121,10 @@ def _score_halves(cfg: routes.SplitConfig, head_dim: int) -> bool:
 
 def xqa_attention(q, k, v, plan: SingleRowPlan, *, row_start: int, out, lse, gate, softmax_scale,
                   k_scale, v_scale, kv_fp8: bool, config: routes.SplitConfig | None = None,
-                  num_splits: int | None = None) -> None:
-    """Rows ``[row_start, rows)`` of ``out`` (and ``lse``) from the single-row plan."""
+                  num_splits: int | None = None, index_width: int | None = None) -> None:
+    """Rows ``[row_start, rows)`` of ``out`` (and ``lse``) from the single-row plan; ``index_width`` (the
+    columns of the ``indices`` it was planned from) cuts rows the direct kernel could take as it would
+    (:func:`qsa.routes.xqa_cut`)."""
     from .kernels.xqa import xqa_attention_kernel
 
     rows, hq, d = q.shape
@@ -133,13 +135,15 @@ def xqa_attention(q, k, v, plan: SingleRowPlan, *, row_start: int, out, lse, gat
     G = hq // hkv
     cfg = config or routes.xqa_config(G, d)
     mb = cfg.tile_tokens // 4
-    splits = num_splits or routes.split_count(n * hkv, -(-plan.capacity // mb), cfg.programs_per_sm, q.device)
+    cut = routes.xqa_cut(G, d, n, hkv, index_width, cfg.tile_tokens, kv_fp8, q.device)
+    splits = num_splits or (cut[0] if cut else routes.split_count(n * hkv, -(-plan.capacity // mb),
+                                                                  cfg.programs_per_sm, q.device))
     q, qk_scale = scores_scale(q, softmax_scale, k_scale)
     strides, g, lse_t = _common(q, k, v, out, gate, lse)
     part_acc, part_ml = _partials(n, hq, splits, d, q.device) if splits > 1 else (out, out)
     xqa_attention_kernel[(n, hkv, splits)](
         q, k, v, plan.mb_ids, plan.masks, plan.counts, g, out, lse_t, part_acc, part_ml,
-        row_start, hq, qk_scale, float(v_scale),
+        row_start, cut[1] if cut else 0, hq, qk_scale, float(v_scale),
         stride_ids=plan.mb_ids.stride(0), stride_masks=plan.masks.stride(0), **strides,
         G=G, BLOCK_G=max(16, next_pow2(G)), MB=mb, NUM_SPLITS=splits, PREFETCH=cfg.prefetch,
         HALVES=_score_halves(cfg, d),
@@ -172,7 +176,7 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
     width = indices.shape[1]
     cfg = config or routes.xqa_direct_config(G, d, n * hkv, kv_fp8=kv_fp8)
     block_w = max(16, next_pow2(width))
-    tiles = max(1, -(-width // cfg.tile_tokens))
+    tiles = routes.direct_tiles(width, cfg.tile_tokens)
     splits = num_splits or routes.direct_split_count(n * hkv, tiles, cfg.programs_per_sm, q.device)
     q, qk_scale = scores_scale(q, softmax_scale, k_scale)
     strides, g, lse_t = _common(q, k, v, out, gate, lse)

@@ -15,8 +15,10 @@ do not take. The reason a route is refused is logged once.
 xqa rows run one of two kernels: with a single-row plan built by its own launch, or, when the caller
 says the rows are sorted (``rows_sorted``: ascending kept tokens, dropped entries last, as
 ``select_tokens`` emits them) and there are at most ``DIRECT_MAX_ROWS`` of them, "direct": each
-program reads its row's list straight from ``indices`` (one launch fewer). Outputs never depend on the
-hint; a row that is not sorted after all is sorted inside the direct kernel, correctly but slowly.
+program reads its row's list straight from ``indices`` (one launch fewer). A row that is not sorted after
+all is sorted inside the direct kernel, correctly but slowly. A row of whole 4-token blocks and a tail (the
+indexer's selections) gets the same bits with or without the hint: the planned kernel cuts the rows the
+direct kernel could take as it would (:func:`xqa_cut`). Other rows agree within rounding.
 """
 
 from __future__ import annotations
@@ -379,7 +381,7 @@ def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device
     request, so grouping shares no K/V load and ``auto`` takes xqa.
 
     ``rows_sorted`` (with ``index_width``, the columns of ``indices``) lets xqa rows take the direct
-    kernel (see the module docstring); it changes which kernel runs, never the result.
+    kernel (see the module docstring); it changes which kernel runs, and no bit of a row of whole blocks.
 
     A forced route that cannot run raises ValueError; ``auto`` falls back and logs why once.
     """
@@ -414,9 +416,15 @@ def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device
         route, grouped_rows = "xqa", 0
     else:
         route, grouped_rows = "grouped", rows // GROUP_ROWS * GROUP_ROWS
-    direct = (rows_sorted and 0 < rows - grouped_rows <= DIRECT_MAX_ROWS
-              and index_width is not None and next_pow2(max(index_width, 1)) <= DIRECT_MAX_WIDTH)
+    direct = rows_sorted and index_width is not None and direct_admits(rows - grouped_rows, index_width)
     return RoutePlan(route, grouped_rows, direct=direct)
+
+
+def direct_admits(rows: int, index_width: int) -> bool:
+    """Whether the direct xqa kernel can take ``rows`` xqa rows of ``indices`` ``index_width`` wide (with
+    the ``rows_sorted`` hint it then does; without it the planned kernel cuts them as it would:
+    :func:`xqa_cut`)."""
+    return 0 < rows <= DIRECT_MAX_ROWS and next_pow2(max(index_width, 1)) <= DIRECT_MAX_WIDTH
 
 
 MAX_SPLITS = 32
@@ -468,6 +476,33 @@ def direct_split_count(programs: int, tiles: int, programs_per_sm: int, device: 
     if facts["kind"] == "cuda" and programs * want > slots + slots // DIRECT_WAVE_SLACK and programs <= slots:
         want = slots // programs
     return -(-tiles // -(-tiles // want))
+
+
+def direct_tiles(index_width: int, tile_tokens: int) -> int:
+    """Tiles of the direct xqa kernel's rows, which are ``index_width`` positions long whatever they keep."""
+    return max(1, -(-index_width // tile_tokens))
+
+
+def xqa_cut(G: int, head_dim: int, rows: int, hkv: int, index_width: int | None, tile_tokens: int,
+            kv_fp8: bool, device: torch.device) -> tuple[int, int] | None:
+    """(splits, tiles cut) of a planned xqa launch of ``rows`` rows that the direct kernel could have
+    taken (:func:`direct_admits`), or None for any other launch (then :func:`split_count` over the
+    plan's capacity, and each row cut by its own tile count).
+
+    Such rows are cut as the direct kernel cuts them: its split count, over its tile count of the index
+    width, so that the ``rows_sorted`` hint, which picks between the two kernels, changes no bit of a row
+    whose selection is whole 4-token blocks and a tail (the tiles then hold the same tokens in both).
+    Only where the planned tiles are the direct kernel's size (``tile_tokens``). Before this rule the two
+    kernels differed at most such launches on the H200 (planned 32 splits of 3 tiles against direct 33 of
+    2 at one list of a 2051-wide row; bitwise equal only at 5 and 8 rows of 1-64 at 64K,
+    benchmarks/results/experiments/2026-12-01-1037-hint-bitwise-nvidia-h200.json)."""
+    if index_width is None or not direct_admits(rows, index_width):
+        return None
+    cfg = xqa_direct_config(G, head_dim, rows * hkv, kv_fp8=kv_fp8)
+    if cfg.tile_tokens != tile_tokens:
+        return None
+    tiles = direct_tiles(index_width, cfg.tile_tokens)
+    return direct_split_count(rows * hkv, tiles, cfg.programs_per_sm, device), tiles
 
 
 def direct_resolves(programs: int, splits: int, split_entries: int, programs_per_sm: int,

@@ -28,6 +28,7 @@ def xqa_attention_kernel(
     part_acc_ptr,  # [n, Hq, NUM_SPLITS, D] fp32 or unused
     part_ml_ptr,  # [n, Hq, NUM_SPLITS, 2] fp32 or unused
     row_offset,  # rows [row_offset, row_offset + n) are computed by this launch
+    cut_tiles,  # splits cut max(cut_tiles, the row's tiles) tiles (0: the row's own; see routes.xqa_cut)
     Hq,
     qk_scale,
     v_scale,
@@ -79,7 +80,11 @@ def xqa_attention_kernel(
     o_n = tl.arange(0, BLOCK_N)
     o_slot = o_n % 4
     count = tl.load(counts_ptr + i_r)
-    tile_start, tile_end = split_range(tl.cdiv(count, MB), i_split, NUM_SPLITS)
+    # Cut as the direct kernel cuts its W positions where the launch says so: a row of whole 4-token blocks
+    # then gets the same splits of the same tiles from either kernel.
+    n_tiles = tl.cdiv(count, MB)
+    tile_start, tile_end = split_range(tl.maximum(n_tiles, cut_tiles), i_split, NUM_SPLITS)
+    tile_end = tl.minimum(tile_end, n_tiles)
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc, b_acc1 = zero_accumulator(BLOCK_G, HEAD_DIM, HALVES)
