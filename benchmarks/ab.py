@@ -8,6 +8,7 @@ are bitwise equal. Results go to ``--out`` as ``ab.json`` and ``ab.md``.
 
     python -m benchmarks.ab --old-rev HEAD~1 --pairs decode-256:xqa,mtp-8:splitk --out /tmp/ab
     python -m benchmarks.ab --old-src /tmp/old/src --pairs mtp-16:xqa --out /tmp/ab   # a copy made elsewhere
+    python -m benchmarks.ab --old-rev HEAD~1 --pairs mtp-8:xqa-unsorted --out /tmp/ab   # no rows_sorted hint
 
 ``--old-rev`` extracts ``src/`` of a commit with ``git archive``; where the repository is not at hand (a
 copy of the working tree without ``.git``), extract it beforehand and pass ``--old-src``. ``--new-src``

@@ -29,14 +29,21 @@ from .registry import SCENARIOS
 from .timing import Timer
 
 
+UNSORTED = "-unsorted"
+"""A route name ending so (``xqa-unsorted``) plans without the ``rows_sorted`` hint: xqa rows then take the
+planned kernel at any batch size."""
+
+
 def plan_args(scn, w, route: str) -> tuple[tuple, dict]:
     """(positional, keyword) arguments of ``plan_attention`` for a scenario's workload, as the benchmark
-    plans it."""
+    plans it (``route`` may end in ``UNSORTED``)."""
     c = w.cache
+    rows_sorted = not route.endswith(UNSORTED)
+    route = route.removesuffix(UNSORTED)
     # max_query_len as a serving engine's step metadata gives it (rows per request): `auto` sends a pure
     # decode batch to xqa.
     plan_kw = dict(block_size=c.block_size, num_blocks=c.num_blocks, num_q_heads=scn.num_q_heads,
-                   num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route=route, rows_sorted=True,
+                   num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route=route, rows_sorted=rows_sorted,
                    max_query_len=scn.rows // scn.num_reqs)
     return (w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens), plan_kw
 

@@ -231,7 +231,9 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
         cfg = routes.SplitConfig(*setting, qk_halves=routes.xqa_config(G, scn.head_dim).qk_halves)
 
         def run_xqa(cfg=cfg):
-            attention.xqa_attention(q, c.k, c.v, single, row_start=0, config=cfg, **kw)
+            # cut as the library cuts the launch (routes.xqa_cut, where the tiles are the direct kernel's size)
+            attention.xqa_attention(q, c.k, c.v, single, row_start=0, config=cfg, index_width=w.indices.shape[1],
+                                    **kw)
             return out
         record(scn.name, "xqa-attn", setting, run_xqa, check)
     shape = dict(num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim)

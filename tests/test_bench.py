@@ -604,6 +604,25 @@ def test_ab_alternates_versions_and_compares_bits(tmp_path, monkeypatch):
             ab.parse_pairs(bad)
 
 
+def test_unsorted_routes_plan_without_the_hint():
+    """A route name ending in ``-unsorted`` (for ``benchmarks.ab``) plans that route without ``rows_sorted``:
+    a decode batch's xqa rows then take the planned kernel, not the direct one; the plain name keeps the hint."""
+    from benchmarks.breakdown import UNSORTED, plan_args
+    from benchmarks.generators import attention_workload
+    from benchmarks.registry import BY_NAME
+    from qsa import plan_attention
+
+    scn = BY_NAME["tiny-decode"]
+    w = attention_workload(scn, torch.device("cpu"))
+    plans = {}
+    for route in ("xqa", "xqa" + UNSORTED):
+        args, kw = plan_args(scn, w, route)
+        assert kw["route"] == "xqa" and kw["rows_sorted"] == (route == "xqa")
+        plans[route] = plan_attention(*args, **kw)
+    assert plans["xqa"].routes.direct and plans["xqa"].single is None
+    assert not plans["xqa-unsorted"].routes.direct and plans["xqa-unsorted"].single is not None
+
+
 def test_ab_extracts_a_commits_source(tmp_path):
     """``--old-rev``: the commit's ``src/`` through ``git archive`` (needs the repository)."""
     import subprocess
