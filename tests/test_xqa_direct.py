@@ -528,6 +528,18 @@ def test_direct_merge_launch_settings(monkeypatch):
     assert caps == {routes.DIRECT_MAX_REGISTERS, None}  # both settings were launched
 
 
+def grid_spy(grids: list):
+    """A wrapper class for a Triton kernel that appends each launch's grid to ``grids`` and launches it."""
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            grids.append(tuple(grid))
+            return self.kernel[grid]
+    return Spy
+
+
 def whole_block_case(seed, dtype=torch.float16, kv_cache_dtype="auto", rows=5, k=9, max_seq_len=200,
                      at_end=False):
     """Rows that select whole 4-token blocks below their position (``k``, or all there are) and the tail of
@@ -598,15 +610,7 @@ def test_hint_changes_no_bit(rows, sm_count, k, seed, at_end, monkeypatch):
     width = case.indices.shape[1]
     assert routes.direct_admits(rows, width)
     grids = []
-
-    class Spy:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            grids.append(tuple(grid))
-            return self.kernel[grid]
-
+    Spy = grid_spy(grids)
     monkeypatch.setattr(kx, "xqa_attention_kernel", Spy(kx.xqa_attention_kernel))
     monkeypatch.setattr(kx, "xqa_direct_kernel", Spy(kx.xqa_direct_kernel))
     c = case.cache
@@ -664,15 +668,7 @@ def test_xqa_merges_take_the_columns_of_their_lists(few_lists, monkeypatch):
     monkeypatch.setattr(routes, "XQA_MERGE_FEW_COLUMNS", 8)
     monkeypatch.setattr(routes, "XQA_MERGE_FEW_LISTS", few_lists)
     grids = []
-
-    class Spy:
-        def __init__(self, kernel):
-            self.kernel = kernel
-
-        def __getitem__(self, grid):
-            grids.append(tuple(grid))
-            return self.kernel[grid]
-
+    Spy = grid_spy(grids)
     monkeypatch.setattr(kx, "xqa_direct_merge_kernel", Spy(kx.xqa_direct_merge_kernel))
     monkeypatch.setattr(kc, "merge_splits_kernel", Spy(kc.merge_splits_kernel))
     case = make_attention_case(rows=3, num_reqs=1, num_q_heads=2, num_kv_heads=1, head_dim=16, width=300,
