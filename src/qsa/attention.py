@@ -176,8 +176,8 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
     width = indices.shape[1]
     cfg = config or routes.xqa_direct_config(G, d, n * hkv, kv_fp8=kv_fp8)
     block_w = max(16, next_pow2(width))
-    tiles = routes.direct_tiles(width, cfg.tile_tokens)
-    splits = num_splits or routes.direct_split_count(n * hkv, tiles, cfg.programs_per_sm, q.device)
+    cut_splits, tiles = routes.direct_cut(n * hkv, width, cfg, q.device)
+    splits = num_splits or cut_splits
     q, qk_scale = scores_scale(q, softmax_scale, k_scale)
     strides, g, lse_t = _common(q, k, v, out, gate, lse)
     if scratch is None:

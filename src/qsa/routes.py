@@ -483,6 +483,13 @@ def direct_tiles(index_width: int, tile_tokens: int) -> int:
     return max(1, -(-index_width // tile_tokens))
 
 
+def direct_cut(lists: int, index_width: int, cfg: SplitConfig, device: torch.device) -> tuple[int, int]:
+    """(splits, tiles) of a direct xqa launch of ``lists`` lists with settings ``cfg``: its rows' tiles
+    (:func:`direct_tiles`) cut by :func:`direct_split_count`."""
+    tiles = direct_tiles(index_width, cfg.tile_tokens)
+    return direct_split_count(lists, tiles, cfg.programs_per_sm, device), tiles
+
+
 def xqa_cut(G: int, head_dim: int, rows: int, hkv: int, index_width: int | None, tile_tokens: int,
             kv_fp8: bool, device: torch.device) -> tuple[int, int] | None:
     """(splits, tiles cut) of a planned xqa launch of ``rows`` rows that the direct kernel could have
@@ -501,8 +508,7 @@ def xqa_cut(G: int, head_dim: int, rows: int, hkv: int, index_width: int | None,
     cfg = xqa_direct_config(G, head_dim, rows * hkv, kv_fp8=kv_fp8)
     if cfg.tile_tokens != tile_tokens:
         return None
-    tiles = direct_tiles(index_width, cfg.tile_tokens)
-    return direct_split_count(rows * hkv, tiles, cfg.programs_per_sm, device), tiles
+    return direct_cut(rows * hkv, index_width, cfg, device)
 
 
 def direct_resolves(programs: int, splits: int, split_entries: int, programs_per_sm: int,
