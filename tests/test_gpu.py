@@ -189,12 +189,21 @@ def test_direct_xqa_at_real_width(rows, num_reqs, dtype, kv):
         assert torch.equal(out, base[0]), f"CUDA-graph replay {i}"
 
 
-@pytest.mark.parametrize("rows,num_reqs", [(1, 1), (2, 1), (4, 1), (8, 1), (13, 1), (16, 1), (64, 1), (16, 16),
-                                           (64, 64)])
-def test_hint_changes_no_bit_at_real_width(rows, num_reqs):
+FP16, BF16 = torch.float16, torch.bfloat16
+
+
+@pytest.mark.parametrize("rows,num_reqs,dtype,kv,heads", [
+    (1, 1, FP16, "auto", (6, 1)), (2, 1, FP16, "auto", (6, 1)), (4, 1, FP16, "auto", (6, 1)),
+    (8, 1, FP16, "auto", (6, 1)), (13, 1, FP16, "auto", (6, 1)), (16, 1, FP16, "auto", (6, 1)),
+    (64, 1, FP16, "auto", (6, 1)), (16, 16, FP16, "auto", (6, 1)), (64, 64, FP16, "auto", (6, 1)),
+    (8, 1, BF16, "auto", (6, 1)), (13, 4, FP16, "fp8_e4m3", (6, 1)), (24, 24, FP16, "fp8_e4m3", (6, 1)),
+    (5, 1, FP16, "auto", (12, 1)), (16, 16, BF16, "auto", (24, 2))])
+def test_hint_changes_no_bit_at_real_width(rows, num_reqs, dtype, kv, heads):
     """Rows of whole blocks at 64K through the planned xqa kernel (no ``rows_sorted`` hint) and the direct
-    one (the hint): the same bits, out and LSE, at the GPU's own split counts (``routes.xqa_cut``)."""
-    c = qsa_case(rows=rows, context=65536, num_reqs=num_reqs, seed=5)
+    one (the hint): the same bits, out and LSE, at the GPU's own split counts (``routes.xqa_cut``), for
+    each cache dtype and per-rank head shape."""
+    c = qsa_case(rows=rows, context=65536, num_reqs=num_reqs, num_q_heads=heads[0], num_kv_heads=heads[1],
+                 dtype=dtype, kv_cache_dtype=kv, seed=5)
     hint = dict(max_query_len=1 if num_reqs == rows else None)
     planned = run(c, "xqa", gate=c["gate"], return_lse=True, **hint)
     direct = run(c, "xqa", gate=c["gate"], return_lse=True, rows_sorted=True, **hint)
