@@ -361,6 +361,22 @@ def test_positions_past_the_lengths(route, order):
     _check_on_every_path(case, route, order, seed=19)
 
 
+@pytest.mark.parametrize("route", ["grouped", "xqa", "xqa-direct", "splitk"])
+@pytest.mark.parametrize("order", ["ascending", "shuffled"])
+def test_positions_at_the_int64_limit(route, order):
+    """Positions past INT32_MAX, up to the int64 limit, keep every token below the length (no overflow
+    of ``pos + 1`` in any bound), on every route and planner path."""
+    case = _two_requests_of_12_rows()
+    case.positions[::3] = 2**63 - 1
+    case.positions[1::3] = 2**31 - 1
+    case.positions[2::3] = 2**31 + 7
+    g = torch.Generator().manual_seed(20)
+    lens = case.seq_lens.long()[case.token_to_req.long()]
+    rows = [torch.randperm(int(n) + 20, generator=g)[:40].sort().values for n in lens]
+    case.indices = torch.stack(rows).to(torch.int32)
+    _check_on_every_path(case, route, order, seed=21)
+
+
 def test_out_and_gate_views():
     """gate as the second half of a packed [rows, Hq, 2D] projection; out= written in place."""
     case = make_attention_case(rows=9, num_reqs=2, num_q_heads=4, num_kv_heads=2, head_dim=16, width=12,

@@ -352,6 +352,23 @@ def test_select_tokens_non_candidates_excluded(device):
     assert (got[0] >= 0).sum() < 4 * k                                # row 0 lost blocks 12..15
 
 
+def test_positions_past_int32_select_as_past_the_length(device):
+    """A row's position only bounds its tokens: any position past the request's length selects the same
+    tokens, up to the int64 limit (where ``pos + 1`` would overflow), in the kernels, the baseline and
+    the reference; such a row is not a padding row."""
+    q, kc, bt, req, pos, seq = _stage_inputs(torch.float32, device=device, integer=False, seed=9)
+    real = (req >= 0) & (req < seq.shape[0]) & (pos >= 0)
+    lens = seq.long().to(req.device)[torch.where(real, req, 0).long()]
+    near = torch.where(real, lens + 10, pos)
+    far = near.clone()
+    far[0], far[3], far[5] = 2**63 - 1, 2**31 + 5, 2**31 - 1
+    for fn in (ix.select_tokens, ix.torch_select_baseline, ref.select_tokens_reference):
+        want = fn(q, kc, bt, req, near, seq, k=5)
+        got = fn(q, kc, bt, req, far, seq, k=5)
+        assert torch.equal(got.cpu(), want.cpu()), fn.__name__
+        assert bool((got[[0, 3, 5]] >= 0).any(1).all()), fn.__name__
+
+
 def test_select_tokens_matches_baseline(device):
     """Tie-free random inputs: the PyTorch baseline gives the same selection."""
     args = _stage_inputs(torch.float32, device=device, integer=False, seed=7)

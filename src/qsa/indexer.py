@@ -27,7 +27,7 @@ from . import routes
 from .indexer_reference import GROUP
 from .kernels.indexer import block_scores_kernel, clear_invalid_pages_kernel, store_compressed_kernel
 from .kernels.topk import topk_kernel
-from .utils import check_tensor, device_facts, dot_in_fp32, interpreter_enabled, next_pow2, round_up
+from .utils import INT32_MAX, check_tensor, device_facts, dot_in_fp32, interpreter_enabled, next_pow2, round_up
 
 MAX_K = 2048
 """Largest ``k`` accepted (blocks per row)."""
@@ -365,7 +365,7 @@ def _select_tokens_torch(index_q, kc_cache, block_table, token_to_req, positions
     n = max_blocks * rows_per_page
     dev = index_q.device
     req = token_to_req.to(torch.int64)
-    pos = positions.to(torch.int64)
+    pos = positions.to(torch.int64).clamp(max=INT32_MAX)  # past it, the same tokens; no overflow of pos + 1
     row_ok = (req >= 0) & (req < num_reqs) & (pos >= 0)
     req_c = torch.where(row_ok, req, 0)
     seq = seq_lens.to(torch.int64)[req_c]
@@ -555,7 +555,7 @@ def torch_select_baseline(index_q, kc_cache, block_table, token_to_req, position
     kc_dense = kc_cache[pages.clamp(0, kc_cache.shape[0] - 1)].reshape(num_reqs, n, D)
     block_ok = page_ok.repeat_interleave(rpb, dim=1)                              # [num_reqs, n]
     req = token_to_req.long()
-    pos = positions.long()
+    pos = positions.long().clamp(max=INT32_MAX)  # past it, the same tokens; no overflow of pos + 1
     row_ok = (req >= 0) & (req < num_reqs) & (pos >= 0)
     req_c = torch.where(row_ok, req, 0)
     vis = torch.minimum((pos + 1) // GROUP, seq_lens.long()[req_c] // GROUP)

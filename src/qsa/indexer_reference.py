@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from .utils import INT32_MAX
+
 GROUP = 4
 """Tokens per compressed block."""
 
@@ -15,7 +17,7 @@ GROUP = 4
 def visible_blocks_reference(token_to_req, positions, seq_lens):
     """``[rows]`` int64: ``min((pos + 1) // 4, seq_len // 4)``; 0 for padding rows."""
     req = token_to_req.long()
-    pos = positions.long()
+    pos = positions.long().clamp(max=INT32_MAX)  # past it, the same tokens; no overflow of pos + 1
     ok = (req >= 0) & (req < seq_lens.shape[0]) & (pos >= 0)
     seq = seq_lens.long()[torch.where(ok, req, 0)]
     vis = torch.minimum(torch.div(pos + 1, GROUP, rounding_mode="floor"),
@@ -123,7 +125,7 @@ def expand_tokens_reference(blocks, token_to_req, positions, seq_lens):
     rows, k = blocks.shape
     dev = blocks.device
     req = token_to_req.long()
-    pos = positions.long()
+    pos = positions.long().clamp(max=INT32_MAX)
     ok = (req >= 0) & (req < seq_lens.shape[0]) & (pos >= 0)
     seq = torch.where(ok, seq_lens.long()[torch.where(ok, req, 0)], 0)
     n_kept = (blocks >= 0).sum(1, keepdim=True)

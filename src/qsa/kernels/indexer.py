@@ -5,7 +5,7 @@ Launchers live in ``qsa/indexer.py``."""
 import triton
 import triton.language as tl
 
-from .topk import score_key
+from .topk import INT32_MAX, score_key
 
 BIG_REQ = tl.constexpr(2**31 - 1)
 
@@ -47,7 +47,8 @@ def block_scores_kernel(
     o_n = tl.arange(0, BLOCK_N)
 
     req = tl.load(req_ptr + o_r, mask=m_r, other=-1).to(tl.int32)
-    pos = tl.load(pos_ptr + o_r, mask=m_r, other=-1).to(tl.int64)
+    # Positions past INT32_MAX see what INT32_MAX sees (every int32 token), with no overflow of pos + 1.
+    pos = tl.minimum(tl.load(pos_ptr + o_r, mask=m_r, other=-1).to(tl.int64), INT32_MAX)
     m_ok = m_r & (req >= 0) & (req < num_reqs) & (pos >= 0)
     seq = tl.load(seq_ptr + tl.where(m_ok, req, 0), mask=m_ok, other=0).to(tl.int64)
     vis = tl.minimum((pos + 1) // 4, seq // 4)

@@ -110,8 +110,9 @@ def _finish_row(count, p_ids, p_masks, counts_ptr, i_r, PAD: tl.constexpr, EMIT_
 def _keep_limit(pos, seq_len, max_blocks, BLOCK_SIZE: tl.constexpr):
     """``_logically_kept`` as one bound: a token ``t`` passes its checks iff 0 <= t < limit, that is iff
     ``t < limit`` as unsigned 32-bit numbers (a negative ``t`` is 2**31 or more); ``t <= pos`` is
-    ``t < pos + 1``, and for ``t >= 0`` the block check is ``t < max_blocks * BLOCK_SIZE``."""
-    lim = tl.minimum(tl.minimum(pos + 1, seq_len), tl.cast(max_blocks, tl.int64) * BLOCK_SIZE)
+    ``t < pos + 1``, and for ``t >= 0`` the block check is ``t < max_blocks * BLOCK_SIZE``. A position
+    past ``INT32_MAX`` keeps what ``INT32_MAX`` keeps (every int32 token), without ``pos + 1`` overflowing."""
+    lim = tl.minimum(tl.minimum(tl.minimum(pos, INT32_MAX) + 1, seq_len), tl.cast(max_blocks, tl.int64) * BLOCK_SIZE)
     return tl.minimum(tl.maximum(lim, 0), INT32_MAX).to(tl.uint32)
 
 

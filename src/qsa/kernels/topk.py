@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 SIGN_BIT = tl.constexpr(0x80000000)
+INT32_MAX = tl.constexpr(2**31 - 1)
 
 
 @triton.jit
@@ -143,7 +144,7 @@ def topk_kernel(
 
     if EMIT_TOKENS:
         req = tl.load(req_ptr + i_r).to(tl.int64)
-        pos = tl.load(pos_ptr + i_r).to(tl.int64)
+        pos = tl.minimum(tl.load(pos_ptr + i_r).to(tl.int64), INT32_MAX)  # no overflow of pos + 1
         ok = (req >= 0) & (req < num_reqs) & (pos >= 0)
         seq = tl.load(seq_ptr + tl.where(ok, req, 0)).to(tl.int64)
         seq = tl.where(ok, seq, 0)

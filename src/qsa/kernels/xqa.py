@@ -133,8 +133,10 @@ def _table_safe(b_t, pos, row_ok, max_blocks, BLOCK_SIZE: tl.constexpr):
 
 @triton.jit
 def _ascending_limit(pos, row_ok, max_blocks, BLOCK_SIZE: tl.constexpr):
-    """The row check's bound: ``_table_safe`` keeps exactly the tokens with unsigned ``t < limit``."""
-    lim = tl.where(row_ok, tl.minimum(tl.minimum(pos + 1, tl.cast(max_blocks, tl.int64) * BLOCK_SIZE), INT32_MAX), 0)
+    """The row check's bound: ``_table_safe`` keeps exactly the tokens with unsigned ``t < limit`` (a
+    position past ``INT32_MAX`` keeps every int32 token, without ``pos + 1`` overflowing)."""
+    lim = tl.minimum(tl.minimum(pos, INT32_MAX) + 1, tl.cast(max_blocks, tl.int64) * BLOCK_SIZE)
+    lim = tl.where(row_ok, tl.minimum(lim, INT32_MAX), 0)
     return lim.to(tl.uint32)
 
 
