@@ -377,6 +377,37 @@ def test_positions_at_the_int64_limit(route, order):
     _check_on_every_path(case, route, order, seed=21)
 
 
+def test_cache_scales_apply_to_fp8_only():
+    """k_scale and v_scale dequantise an FP8 cache; a cache in q's dtype is read as it is, on every route
+    (as the reference reads it)."""
+    case = make_attention_case(rows=9, num_reqs=2, num_q_heads=4, num_kv_heads=1, head_dim=16, width=16, seed=5)
+    for route in ROUTES:
+        check_route(case, route, k_scale=2.0, v_scale=3.0)
+        a = case.run(qsa.sparse_paged_attention, route=route, k_scale=2.0, v_scale=3.0)
+        assert torch.equal(a, case.run(qsa.sparse_paged_attention, route=route)), route
+
+
+def test_splitk_plan_refills_its_buffers():
+    """``plan_attention(out=plan)`` on the splitk route refills the plan's token lists in place (CUDA-graph
+    capture reuses them), with the lists a fresh plan has."""
+    case = make_attention_case(rows=6, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=8, seed=13)
+    args = (case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens)
+    shape = dict(block_size=case.cache.block_size, num_blocks=case.cache.num_blocks, num_q_heads=2,
+                 num_kv_heads=1, head_dim=16, route="splitk")
+    first = qsa.plan_attention(*args, **shape)
+    first.tokens.fill_(-7)
+    first.token_counts.fill_(-7)
+    again = qsa.plan_attention(*args, **shape, out=first)
+    assert again.tokens.data_ptr() == first.tokens.data_ptr()
+    assert again.token_counts.data_ptr() == first.token_counts.data_ptr()
+    fresh = qsa.plan_attention(*args, **shape)
+    assert torch.equal(again.token_counts, fresh.token_counts)
+    for r, n in enumerate(fresh.token_counts.tolist()):
+        assert torch.equal(again.tokens[r, :n], fresh.tokens[r, :n])
+    with pytest.raises(ValueError, match="out tokens"):
+        qsa.plan_attention(case.indices[:, :4].contiguous(), *args[1:], **shape, out=first)
+
+
 def test_out_and_gate_views():
     """gate as the second half of a packed [rows, Hq, 2D] projection; out= written in place."""
     case = make_attention_case(rows=9, num_reqs=2, num_q_heads=4, num_kv_heads=2, head_dim=16, width=12,
@@ -424,6 +455,44 @@ def test_bad_inputs_name_the_argument():
         call(kv_cache_dtype="int4")
     with pytest.raises(ValueError, match="route"):
         qsa.sparse_paged_attention(*args, route="fast")
+    # 1-D row and request tensors are read at offset i: strided or broadcast ones are refused.
+    for i, name in ((5, "token_to_req"), (6, "positions"), (7, "seq_lens")):
+        wide = torch.zeros(2 * args[i].shape[0], dtype=args[i].dtype)
+        wide[::2] = args[i]
+        with pytest.raises(ValueError, match=f"{name} must be contiguous"):
+            call(i, wide[::2])
+    with pytest.raises(ValueError, match="token_to_req must be contiguous"):
+        call(5, case.token_to_req[:1].expand(4))
+    for name in ("softmax_scale", "k_scale", "v_scale"):
+        for bad in (float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=f"{name} must be finite"):
+                call(**{name: bad})
+        with pytest.raises(TypeError, match=f"{name} must be a float"):
+            call(**{name: True})
+    with pytest.raises(ValueError, match="share memory"):
+        call(out=torch.zeros(1, 2, 16, dtype=torch.float16).expand(4, 2, 16))
+    for bad_q in (case.q[..., :0], case.q[:, :0]):
+        with pytest.raises(ValueError, match="at least one head and a head dim"):
+            qsa.sparse_paged_attention(bad_q, *args[1:], route="reference")
+
+    plan_args = args[3:]
+    shape = dict(block_size=c.block_size, num_blocks=c.num_blocks, num_q_heads=2, num_kv_heads=1, head_dim=16)
+    plan = qsa.plan_attention(*plan_args, **shape, route="xqa")
+    with pytest.raises(TypeError, match="plan must be an AttentionPlan"):
+        qsa.run_attention(None, *args[:3])
+    with pytest.raises(TypeError, match="out must be an AttentionPlan"):
+        qsa.plan_attention(*plan_args, **shape, out=object())
+    with pytest.raises(ValueError, match="the plan was made on meta"):
+        moved = tuple(t.to("meta") for t in plan.inputs)
+        qsa.run_attention(dataclasses.replace(plan, inputs=moved), *args[:3])
+    for name, bad, err in (("num_q_heads", 0, ValueError), ("num_q_heads", -2, ValueError),
+                           ("num_kv_heads", None, TypeError), ("head_dim", 16.0, TypeError),
+                           ("num_q_heads", True, TypeError)):
+        with pytest.raises(err, match=name):
+            qsa.plan_attention(*plan_args, **{**shape, name: bad})
+    for name in ("num_blocks", "block_size"):
+        with pytest.raises(ValueError, match=name):
+            qsa.plan_attention(*plan_args, **{**shape, name: True})
 
 
 # Known-wrong kernels: the comparison used above must reject each of them.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -81,8 +83,12 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
     """
     if order not in ("logical", "physical"):
         raise ValueError(f"order must be 'logical' or 'physical', got {order!r}")
-    if num_kv_heads <= 0 or num_q_heads % num_kv_heads:
+    for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        _check_positive_int(name, value)
+    if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if out is not None and not isinstance(out, AttentionPlan):
+        raise TypeError(f"out must be an AttentionPlan (from qsa.plan_attention) or None, got {type(out).__name__}")
     check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                       num_blocks=num_blocks)
     choice = routes.choose(route, rows=indices.shape[0], G=num_q_heads // num_kv_heads, head_dim=head_dim,
@@ -104,27 +110,57 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
                                       rows_sorted=rows_sorted)
     elif choice.route == "splitk":
         tokens, counts = token_lists(indices, block_table, token_to_req, positions, seq_lens,
-                                     block_size=block_size, num_blocks=num_blocks)
+                                     block_size=block_size, num_blocks=num_blocks,
+                                     out=(out.tokens, out.token_counts) if out is not None and out.tokens is not None
+                                     else None)
     return AttentionPlan(choice, single, grouped, tokens, counts,
                          (indices, block_table, token_to_req, positions, seq_lens), block_size, num_blocks,
                          num_q_heads, num_kv_heads, head_dim)
 
 
+def _check_positive_int(name: str, x) -> None:
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x <= 0:
+        raise ValueError(f"{name} must be positive, got {x}")
+
+
 def _as_float(name: str, x) -> float:
+    """``x`` as a finite python float (a number or a CPU scalar tensor, not a bool)."""
     if isinstance(x, torch.Tensor):
         if x.numel() != 1:
             raise ValueError(f"{name} must be a scalar, got shape {tuple(x.shape)}")
         if x.device.type != "cpu":
             raise ValueError(f"{name} must be a python float or a CPU scalar tensor (no device sync)")
-        return float(x)
-    if not isinstance(x, (int, float)):
+        if x.dtype == torch.bool:
+            raise TypeError(f"{name} must be a float, got a bool tensor")
+        value = float(x)
+    elif isinstance(x, bool) or not isinstance(x, (int, float)):
         raise TypeError(f"{name} must be a float, got {type(x).__name__}")
-    return float(x)
+    else:
+        value = float(x)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: its dimensions of more than one element, by
+    increasing stride, must each step over the whole extent of the ones before (conservative: a layout
+    that interleaves dimensions without overlap also counts as overlapping)."""
+    extent = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
 
 
 def _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype):
     check_tensor("q", q, ndim=3, dtypes=ACT_DTYPES, what="[rows, Hq, D] fp16/bf16")
     rows, hq, d = q.shape
+    if hq == 0 or d == 0:
+        raise ValueError(f"q must have at least one head and a head dim D > 0, got shape {tuple(q.shape)}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     cache_dtypes = (q.dtype,) if kv_cache_dtype == "auto" else (torch.uint8, torch.float8_e4m3fn)
@@ -153,23 +189,31 @@ def _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype):
         check_tensor("out", out, dtypes=q.dtype, shape=(rows, hq, d), what="[rows, Hq, D], q's dtype")
         if not same_device(out.device, q.device) or out.stride(2) != 1:
             raise ValueError("out must be on q's device and contiguous in its last dimension")
+        if _overlaps_itself(out):
+            raise ValueError(f"out must not have elements that share memory, got strides {tuple(out.stride())}")
     return num_blocks, block_size, hkv
 
 
 def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cache_dtype: str = "auto",
                   k_scale=1.0, v_scale=1.0, softmax_scale=None, out=None, return_lse: bool = False):
     """Launch the planned routes. Arguments as in :func:`sparse_paged_attention`."""
+    if not isinstance(plan, AttentionPlan):
+        raise TypeError(f"plan must be an AttentionPlan (from qsa.plan_attention), got {type(plan).__name__}")
     num_blocks, block_size, hkv = _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype)
     rows, hq, d = q.shape
     if rows != plan.num_rows or block_size != plan.block_size or num_blocks != plan.num_blocks \
             or (hq, hkv, d) != (plan.num_q_heads, plan.num_kv_heads, plan.head_dim):
         raise ValueError("the plan was made for other shapes: rows, cache geometry and heads must match")
+    if not same_device(plan.inputs[0].device, q.device):
+        raise ValueError(f"the plan was made on {plan.inputs[0].device}, q is on {q.device}")
     k_scale = _as_float("k_scale", k_scale)
     v_scale = _as_float("v_scale", v_scale)
     scale = d ** -0.5 if softmax_scale is None else _as_float("softmax_scale", softmax_scale)
     kv_fp8 = kv_cache_dtype == "fp8_e4m3"
     if kv_fp8:
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    else:  # the scales dequantise an FP8 cache; a cache in q's dtype is read as it is
+        k_scale = v_scale = 1.0
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty((rows, hq), dtype=torch.float32, device=q.device) if return_lse else None
@@ -229,9 +273,10 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
         seq_lens: ``[num_reqs]`` int32.
         gate: optional ``[rows, Hq, D]``: ``out = round(attn) * sigmoid(gate)`` in fp32, cast back.
         kv_cache_dtype: "auto" (cache in q's dtype) or "fp8_e4m3".
-        k_scale, v_scale: FP8 dequantisation scales (K = e4m3 * k_scale, V = e4m3 * v_scale).
-        softmax_scale: default ``D ** -0.5``.
-        out: optional ``[rows, Hq, D]`` output buffer.
+        k_scale, v_scale: FP8 dequantisation scales (K = e4m3 * k_scale, V = e4m3 * v_scale); finite
+            numbers, used with ``kv_cache_dtype="fp8_e4m3"`` only (a cache in q's dtype is read as it is).
+        softmax_scale: a finite number; default ``D ** -0.5``.
+        out: optional ``[rows, Hq, D]`` output buffer, contiguous in D, no two elements sharing memory.
         return_lse: also return the natural-log LSE ``[rows, Hq]`` fp32.
         route: "auto", "grouped", "xqa", "splitk" or "reference" (see :mod:`qsa.routes`).
         max_query_len: the most rows any one request has here, if known on the host (1: decode;

@@ -274,9 +274,9 @@ def check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, *
                  shape=(rows,), what="[rows] int64")
     check_tensor("seq_lens", seq_lens, dtypes=torch.int32, device=dev,
                  shape=(block_table.shape[0],), what="[num_reqs] int32")
-    if not isinstance(block_size, int) or block_size <= 0 or block_size % 4:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 or block_size % 4:
         raise ValueError(f"block_size must be a positive multiple of 4, got {block_size!r}")
-    if not isinstance(num_blocks, int) or num_blocks < 0:
+    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
         raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
     if num_blocks * (block_size // 4) > INT32_MAX:
         raise ValueError(f"num_blocks * block_size // 4 must fit in int32, got {num_blocks} blocks "
@@ -287,6 +287,9 @@ def check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, *
         raise ValueError("indices must be contiguous in its last dimension")
     if block_table.stride(1) != 1:
         raise ValueError("block_table must be contiguous in its last dimension")
+    for name, t in (("token_to_req", token_to_req), ("positions", positions), ("seq_lens", seq_lens)):
+        if t.shape[0] > 1 and t.stride(0) != 1:  # the kernels read element i at offset i
+            raise ValueError(f"{name} must be contiguous (stride 1), got stride {t.stride(0)}")
 
 
 def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int,
@@ -424,8 +427,11 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
 
 
 def token_lists(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int,
-                num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+                num_blocks: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's kept tokens, distinct and ascending (the split-K route's work list).
+
+    ``out``: a previous ``(tokens, counts)`` of the same shapes, refilled (CUDA-graph capture).
 
     Returns:
         tokens: ``[rows, W]`` int32, entries past the row's count unspecified.
@@ -434,8 +440,17 @@ def token_lists(indices, block_table, token_to_req, positions, seq_lens, *, bloc
     check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                       num_blocks=num_blocks)
     rows, width = indices.shape
-    tokens = torch.empty((rows, max(width, 1)), dtype=torch.int32, device=indices.device)
-    counts = torch.empty((rows,), dtype=torch.int32, device=indices.device)
+    if out is None:
+        tokens = torch.empty((rows, max(width, 1)), dtype=torch.int32, device=indices.device)
+        counts = torch.empty((rows,), dtype=torch.int32, device=indices.device)
+    else:
+        tokens, counts = out
+        check_tensor("out tokens", tokens, dtypes=torch.int32, device=indices.device, shape=(rows, max(width, 1)),
+                     what="[rows, max(W, 1)] int32")
+        check_tensor("out token_counts", counts, dtypes=torch.int32, device=indices.device, shape=(rows,),
+                     what="[rows] int32")
+        if not tokens.is_contiguous() or not counts.is_contiguous():
+            raise ValueError("out tokens and token_counts must be contiguous")
     _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
                tokens, tokens, counts, emit_tokens=True)
     return tokens, counts
