@@ -279,6 +279,9 @@ class TestWriteKV:
         (dict(k_scale=-1.0), ValueError, "k_scale"),
         (dict(v_scale=torch.tensor(2.0)), TypeError, "v_scale"),
         (dict(k=[[0.0]]), TypeError, "k must be a torch.Tensor"),
+        # the kernel reads slot i at offset i: a strided or broadcast mapping is refused
+        (dict(slots=torch.tensor([0, 100, 5, 100, 9, 100])[::2]), ValueError, "slot_mapping must be contiguous"),
+        (dict(slots=torch.tensor([5])[:1].expand(3)), ValueError, "slot_mapping must be contiguous"),
     ])
     def test_bad_arguments(self, change, exc, match):
         args = dict(k_cache=torch.zeros(4, 4, 1, 8, dtype=torch.float16),
@@ -449,6 +452,19 @@ class TestRelocate:
         assert moved.num_blocks == 11 and moved.layout == "separate"
         for old, new in zip(table[0].tolist(), new_table[0].tolist()):
             assert torch.equal(moved.k[new], cache.k[old]) and torch.equal(moved.v[new], cache.v[old])
+
+    def test_a_cache_of_no_block(self):
+        new, table = relocate(torch.zeros(0, 2, 4), torch.tensor([[-1, 3]], dtype=torch.int32),
+                              torch.zeros(0, dtype=torch.int64), num_blocks_out=4)
+        assert new.shape == (4, 2, 4) and table.tolist() == [[-1, -1]]
+
+    def test_storage_must_hold_the_views(self):
+        """``relocated`` moves ``storage``: a cache whose k and v are not its views would lose them."""
+        cache = allocate_kv_cache(4, 4, 1, 16, dtype=torch.float16, fill="zeros")
+        with pytest.raises(ValueError, match=r"k must be the view storage\[:, 0\]"):
+            PagedKVCache(cache.k, cache.v, torch.zeros_like(cache.storage))
+        with pytest.raises(ValueError, match=r"v must be the view storage\[:, 1\]"):
+            PagedKVCache(cache.k, cache.k, cache.storage)
 
     def test_zero_fill_default(self):
         new, _ = relocate(torch.ones(3, 2), torch.tensor([[0]], dtype=torch.int32), torch.tensor([1, -1, -1]))

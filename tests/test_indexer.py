@@ -369,6 +369,28 @@ def test_positions_past_int32_select_as_past_the_length(device):
         assert bool((got[[0, 3, 5]] >= 0).any(1).all()), fn.__name__
 
 
+def test_requests_past_int32_are_not_request_zero(device):
+    """An int64 request id past the int32 range (2**32, -2**40) is a padding row, not request 0."""
+    q, kc, bt, req, pos, seq = _stage_inputs(torch.float32, device=device, seed=4)
+    wide = req.long().clone()
+    wide[0], wide[3] = 2**32, -2**40
+    got = ix.block_scores(q, kc, bt, wide, pos, seq)
+    want = ref.block_scores_reference(q, kc, bt, wide, pos, seq)
+    assert torch.equal(got.cpu(), want.cpu())
+    assert bool((got[[0, 3]] == -INF).all())
+    assert torch.equal(ix.select_tokens(q, kc, bt, wide, pos, seq, k=3).cpu(),
+                       ref.select_tokens_reference(q, kc, bt, wide, pos, seq, k=3).cpu())
+
+
+def test_select_tokens_refuses_an_out_whose_rows_overlap(device):
+    args = _stage_inputs(torch.float32, device=device, seed=2)
+    rows, width = args[0].shape[0], 4 * 2 + 3
+    for out in (torch.empty(width, dtype=torch.int32, device=device).expand(rows, width),
+                torch.empty(5 * rows + width, dtype=torch.int32, device=device).as_strided((rows, width), (5, 1))):
+        with pytest.raises(ValueError, match="share memory"):
+            ix.select_tokens(*args, k=2, out=out)
+
+
 def test_select_tokens_matches_baseline(device):
     """Tie-free random inputs: the PyTorch baseline gives the same selection."""
     args = _stage_inputs(torch.float32, device=device, integer=False, seed=7)

@@ -277,3 +277,40 @@ def test_kernel_backend():
     with pytest.raises(ValueError, match="backend"):
         ops.write_kv(torch.zeros(1, 2, 4, 1, 8), torch.zeros(0, 1, 8), torch.zeros(0, 1, 8),
                      torch.zeros(0, dtype=torch.int64), backend="cuda")
+
+
+def test_degenerate_selection_and_key_feeding_shapes(device):
+    """No request (every row padding), no cache block, no table column: the selection is the causal tails
+    or all -1 on both backends, key feeding writes nothing and both backends agree; a cache of zero rows
+    per block is refused."""
+    from qsa.indexer import tokens_from_scores, update_compressed_keys
+
+    D = 16
+    q, kc, bt, req, pos, seq = selection_case(D=D, device=device)
+    no_req = (bt[:0], seq[:0])
+    for backend in ("torch", "triton"):
+        got = select_tokens(q, kc, no_req[0], req, pos, no_req[1], k=2, backend=backend)
+        assert bool((got == -1).all()), backend
+        want = iref.select_tokens_reference(q, kc[:0], bt, req, pos, seq, k=2)
+        got = select_tokens(q, kc[:0], bt, req, pos, seq, k=2, backend=backend)
+        assert torch.equal(got.cpu(), want.cpu()), backend
+        assert bool((got >= 0).any()), backend  # the causal tails remain
+    got = tokens_from_scores(torch.zeros(req.shape[0], 4, device=device), req, pos, no_req[1], k=1)
+    assert bool((got == -1).all())
+
+    raw = torch.randn(4, D, generator=_gen(3)).to(device)
+    r4, p4 = torch.zeros(4, dtype=torch.int32, device=device), torch.arange(4, device=device) + 2
+    states = []
+    for backend in ("torch", "triton"):
+        kc_b = torch.full_like(kc, NAN)
+        part0 = torch.zeros(0, 3, D, device=device)
+        update_compressed_keys(raw, r4, p4, kc_b, no_req[0], part0, backend=backend)  # padding rows only
+        assert bool(kc_b.isnan().all()), backend
+        part1 = torch.full((1, 3, D), NAN, device=device)
+        update_compressed_keys(raw, r4, p4, kc_b, bt[:1, :0], part1, backend=backend)
+        assert bool(kc_b.isnan().all()), backend  # no table column: no page to write
+        states.append(part1.cpu())
+    assert torch.equal(states[0].nan_to_num(7.0), states[1].nan_to_num(7.0))
+    with pytest.raises(ValueError, match="kc_cache must have block_size // 4 >= 1"):
+        update_compressed_keys(raw, r4, p4, kc[:, :0], bt, torch.zeros(3, 3, D, device=device))
+

@@ -11,7 +11,7 @@ import torch
 from . import attention, routes
 from .plan import (GroupedPlan, PlanWorkspace, SingleRowPlan, check_plan_inputs, physical_order, plan_groups,
                    plan_single_rows, token_lists)
-from .utils import check_tensor, same_device
+from .utils import check_tensor, overlaps_itself, same_device
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 ACT_DTYPES = (torch.float16, torch.bfloat16)
@@ -144,18 +144,6 @@ def _as_float(name: str, x) -> float:
     return value
 
 
-def _overlaps_itself(t: torch.Tensor) -> bool:
-    """Whether two elements of ``t`` may share memory: its dimensions of more than one element, by
-    increasing stride, must each step over the whole extent of the ones before (conservative: a layout
-    that interleaves dimensions without overlap also counts as overlapping)."""
-    extent = 1
-    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
-        if stride < extent:
-            return True
-        extent = stride * size
-    return False
-
-
 def _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype):
     check_tensor("q", q, ndim=3, dtypes=ACT_DTYPES, what="[rows, Hq, D] fp16/bf16")
     rows, hq, d = q.shape
@@ -189,7 +177,7 @@ def _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype):
         check_tensor("out", out, dtypes=q.dtype, shape=(rows, hq, d), what="[rows, Hq, D], q's dtype")
         if not same_device(out.device, q.device) or out.stride(2) != 1:
             raise ValueError("out must be on q's device and contiguous in its last dimension")
-        if _overlaps_itself(out):
+        if overlaps_itself(out):
             raise ValueError(f"out must not have elements that share memory, got strides {tuple(out.stride())}")
     return num_blocks, block_size, hkv
 

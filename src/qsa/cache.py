@@ -114,6 +114,10 @@ class PagedKVCache:
             check_tensor("storage", self.storage, ndim=5,
                          shape=(self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim),
                          what="[num_blocks, 2, block_size, Hkv, D]")
+            for name, view, half in (("k", self.k, self.storage[:, 0]), ("v", self.v, self.storage[:, 1])):
+                if (view.data_ptr(), view.stride(), view.element_size()) != \
+                        (half.data_ptr(), half.stride(), half.element_size()):
+                    raise ValueError(f"{name} must be the view storage[:, {0 if name == 'k' else 1}] of storage")
 
     @classmethod
     def from_storage(cls, storage: torch.Tensor, *, kv_cache_dtype: str = "auto", k_scale: float = 1.0,
@@ -274,6 +278,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     check_tensor("v", v, ndim=3, dtypes=k.dtype, shape=tuple(k.shape), what=what)
     check_tensor("slot_mapping", slot_mapping, dtypes=(torch.int64, torch.int32),
                  shape=(num_tokens,), what="[T]")
+    if num_tokens > 1 and slot_mapping.stride(0) != 1:  # the kernel reads slot i at offset i
+        raise ValueError(f"slot_mapping must be contiguous (stride 1), got stride {slot_mapping.stride(0)}")
     for name, t in (("k", k), ("v", v), ("slot_mapping", slot_mapping)):
         if not same_device(t.device, k_cache.device):
             raise ValueError(f"{name} must be on the cache's device {k_cache.device}, got {t.device}")
@@ -513,8 +519,10 @@ def relocate(tensor: torch.Tensor, block_table: torch.Tensor, mapping: torch.Ten
 
     table = block_table.to(torch.int64)
     valid = (table >= 0) & (table < n_in)
-    safe = table.clamp(0, n_in - 1).to(mapping.device)
-    new_ids = mapping[safe].to(block_table.device)
+    if n_in == 0:  # no block: every entry is invalid
+        new_ids = torch.full_like(table, -1)
+    else:
+        new_ids = mapping[table.clamp(0, n_in - 1).to(mapping.device)].to(block_table.device)
     if bool((valid & (new_ids < 0)).any()):
         raise ValueError("mapping drops (-1) a block the block table uses")
     new_table = torch.where(valid, new_ids, -1).to(torch.int32)

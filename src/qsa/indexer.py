@@ -27,7 +27,8 @@ from . import routes
 from .indexer_reference import GROUP
 from .kernels.indexer import block_scores_kernel, clear_invalid_pages_kernel, store_compressed_kernel
 from .kernels.topk import topk_kernel
-from .utils import INT32_MAX, check_tensor, device_facts, dot_in_fp32, interpreter_enabled, next_pow2, round_up
+from .utils import (INT32_MAX, check_tensor, device_facts, dot_in_fp32, interpreter_enabled, next_pow2, overlaps_itself,
+                    round_up)
 
 MAX_K = 2048
 """Largest ``k`` accepted (blocks per row)."""
@@ -334,6 +335,8 @@ def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_l
         _check_same_device("index_q", index_q, out=out)
         if out.stride(1) != 1:
             raise ValueError("out must have a contiguous last dimension")
+        if overlaps_itself(out):
+            raise ValueError(f"out must not have elements that share memory, got strides {tuple(out.stride())}")
     if backend == "torch":
         out.copy_(_select_tokens_torch(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, k=k))
         return out
@@ -364,6 +367,8 @@ def _select_tokens_torch(index_q, kc_cache, block_table, token_to_req, positions
     num_blocks, rows_per_page = kc_cache.shape[:2]
     n = max_blocks * rows_per_page
     dev = index_q.device
+    if num_reqs == 0:  # every row is a padding row
+        return torch.full((rows, 4 * k + 3), -1, dtype=torch.int32, device=dev)
     req = token_to_req.to(torch.int64)
     pos = positions.to(torch.int64).clamp(max=INT32_MAX)  # past it, the same tokens; no overflow of pos + 1
     row_ok = (req >= 0) & (req < num_reqs) & (pos >= 0)
@@ -373,7 +378,10 @@ def _select_tokens_torch(index_q, kc_cache, block_table, token_to_req, positions
 
     pages = block_table.to(torch.int64)
     page_ok = (pages >= 0) & (pages < num_blocks)
-    keys = kc_cache[pages.clamp(0, max(num_blocks - 1, 0))].reshape(num_reqs, n, D).float()
+    if num_blocks == 0:  # no valid page, no candidate: only the causal tails remain
+        keys = torch.zeros(num_reqs, n, D, dtype=torch.float32, device=dev)
+    else:
+        keys = kc_cache[pages.clamp(0, num_blocks - 1)].reshape(num_reqs, n, D).float()
     cand = (torch.arange(n, device=dev)[None, :] < vis[:, None]) & \
         page_ok.repeat_interleave(rows_per_page, 1)[req_c]
     scores = torch.zeros(rows, n, dtype=torch.float32, device=dev)
@@ -438,6 +446,8 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
                  what="[num_reqs, 3, D]")
     if not partial.is_contiguous():
         raise ValueError("partial must be contiguous")
+    if kc_cache.shape[1] < 1:
+        raise ValueError(f"kc_cache must have block_size // 4 >= 1 rows per block, got {tuple(kc_cache.shape)}")
     if kc_cache.stride(2) != 1:
         raise ValueError("kc_cache must have a contiguous last dimension")
     if D & (D - 1):
@@ -447,7 +457,7 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
     backend = routes.resolve_backend(backend, raw_k.device)
     if backend == "triton":
         _check_device(raw_k, "raw_k")
-    if T == 0:
+    if T == 0 or num_reqs == 0:  # nothing, or only padding rows
         return
 
     dev = raw_k.device
@@ -493,7 +503,10 @@ def _store_compressed_torch(kc_new, grp, req, pos, ok, req_c, j, kc_cache, block
     max_blocks = block_table.shape[1]
     b = torch.where(ok, pos, 0) // GROUP
     i_page = b // rows_per_page
-    page = block_table.to(torch.int64)[req_c, i_page.clamp(max=max_blocks - 1)]
+    if max_blocks == 0:  # no table column: every page lookup is invalid
+        page = torch.full_like(i_page, -1)
+    else:
+        page = block_table.to(torch.int64)[req_c, i_page.clamp(0, max_blocks - 1)]
     close = ok & (j == GROUP - 1) & (i_page < max_blocks) & (page >= 0) & (page < num_blocks)
     kc_cache[page[close], (b % rows_per_page)[close]] = kc_new[close]
     t_idx = torch.arange(T, device=kc_new.device)

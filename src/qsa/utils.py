@@ -58,6 +58,18 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=N
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
+def overlaps_itself(t: torch.Tensor) -> bool:
+    """Whether two elements of ``t`` may share memory: its dimensions of more than one element, by
+    increasing stride, must each step over the whole extent of the ones before (conservative: a layout
+    that interleaves dimensions without overlap also counts as overlapping)."""
+    extent = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if stride < extent:
+            return True
+        extent = stride * size
+    return False
+
+
 def same_device(device_a: torch.device, device_b: torch.device) -> bool:
     a, b = torch.device(device_a), torch.device(device_b)
     if a.type != b.type:

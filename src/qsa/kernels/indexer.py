@@ -46,10 +46,11 @@ def block_scores_kernel(
     o_d = tl.arange(0, D)
     o_n = tl.arange(0, BLOCK_N)
 
-    req = tl.load(req_ptr + o_r, mask=m_r, other=-1).to(tl.int32)
+    req = tl.load(req_ptr + o_r, mask=m_r, other=-1).to(tl.int64)  # checked before it is narrowed to int32
     # Positions past INT32_MAX see what INT32_MAX sees (every int32 token), with no overflow of pos + 1.
     pos = tl.minimum(tl.load(pos_ptr + o_r, mask=m_r, other=-1).to(tl.int64), INT32_MAX)
     m_ok = m_r & (req >= 0) & (req < num_reqs) & (pos >= 0)
+    req = tl.where(m_ok, req, -1).to(tl.int32)
     seq = tl.load(seq_ptr + tl.where(m_ok, req, 0), mask=m_ok, other=0).to(tl.int64)
     vis = tl.minimum((pos + 1) // 4, seq // 4)
     vis = tl.where(m_ok, tl.maximum(tl.minimum(vis, n_cols), 0), 0).to(tl.int32)

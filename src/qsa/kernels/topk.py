@@ -146,8 +146,7 @@ def topk_kernel(
         req = tl.load(req_ptr + i_r).to(tl.int64)
         pos = tl.minimum(tl.load(pos_ptr + i_r).to(tl.int64), INT32_MAX)  # no overflow of pos + 1
         ok = (req >= 0) & (req < num_reqs) & (pos >= 0)
-        seq = tl.load(seq_ptr + tl.where(ok, req, 0)).to(tl.int64)
-        seq = tl.where(ok, seq, 0)
+        seq = tl.load(seq_ptr + tl.where(ok, req, 0), mask=ok, other=0).to(tl.int64)  # none when num_reqs == 0
         lim = tl.minimum((pos + 1) // 4, seq // 4)
         tail_start = ((pos + 1) // 4) * 4
         tail_len = tl.where(ok, pos + 1 - tail_start, 0)
