@@ -314,3 +314,28 @@ def test_degenerate_selection_and_key_feeding_shapes(device):
     with pytest.raises(ValueError, match="kc_cache must have block_size // 4 >= 1"):
         update_compressed_keys(raw, r4, p4, kc[:, :0], bt, torch.zeros(3, 3, D, device=device))
 
+
+def test_op_wrappers_check_scalars_as_the_library_does():
+    """The op wrappers turn scalars into the schema's types only after the library's checks: no silent
+    truncation of k, no bool or string scales."""
+    q, kc, bt, req, pos, seq = selection_case(D=16)
+    with pytest.raises(TypeError, match="k must be an int"):
+        ops.select_tokens(q, kc, bt, req, pos, seq, k=2.9)
+    with pytest.raises(TypeError, match="k must be an int"):
+        ops.select_tokens(q, kc, bt, req, pos, seq, k=True)
+    cache = allocate_kv_cache(4, 4, 1, 16, dtype=torch.float16, fill="zeros", kv_cache_dtype="fp8_e4m3")
+    k = torch.randn(2, 1, 16, dtype=torch.float16)
+    for bad, err in ((True, TypeError), ("2", TypeError), (NAN, ValueError)):
+        with pytest.raises(err, match="k_scale"):
+            ops.write_kv(cache.storage, k, k, torch.tensor([0, 1]), kv_cache_dtype="fp8_e4m3", k_scale=bad)
+    for shape in ((4, 4, 1, 16), (4, 1, 4, 1, 16), (4, 3, 4, 1, 16)):
+        with pytest.raises(ValueError, match="kv_cache must"):
+            ops.write_kv(torch.zeros(shape, dtype=torch.float16), k, k, torch.tensor([0, 1]))
+    from qsa.reference import make_attention_case
+
+    case = make_attention_case(rows=5, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=8, seed=2)
+    for kw, match in ((dict(k_scale=True), "k_scale"), (dict(softmax_scale="0.5"), "softmax_scale"),
+                      (dict(return_lse="no"), "return_lse"), (dict(rows_sorted=1), "rows_sorted"),
+                      (dict(max_query_len=1.5), "max_query_len")):
+        with pytest.raises(TypeError, match=match):
+            case.run(ops.sparse_paged_attention, **kw)
