@@ -24,6 +24,9 @@ from qsa.kernels.grouped import grouped_attention_kernel
 from qsa.kernels.plan import grouped_plan_kernel, single_row_plan_kernel, single_row_sort_plan_kernel
 from qsa.kernels.splitk import splitk_attention_kernel
 from qsa.kernels.xqa import xqa_attention_kernel, xqa_direct_kernel, xqa_direct_merge_kernel
+from qsa.kernels.cache_write import cache_write_kernel
+from qsa.kernels.indexer import block_scores_kernel, clear_invalid_pages_kernel, store_compressed_kernel
+from qsa.kernels.topk import topk_kernel
 
 
 def compile_sm90(kernel, pointers: dict, constexprs: dict, floats=(), num_warps=4, num_stages=2,
@@ -376,6 +379,45 @@ def check_gluon_ws_prototype():
     return out
 
 
+def check_selection_and_cache_kernels() -> dict:
+    """The selection stage (scores, invalid pages, top-k) at QSA's shapes (4 index heads of 128, bf16,
+    page 16) as ``qsa.indexer`` launches it, the compressed-key store and the KV cache write."""
+    from qsa.indexer import MAX_REGISTER_TILE, _score_config, _topk_config
+
+    import torch
+
+    usage = {}
+    rows = {"req_ptr": "*i64", "pos_ptr": "*i64", "seq_ptr": "*i32", "bt_ptr": "*i32"}
+    cfg = _score_config(16384, torch.bfloat16)
+    for keys in (True, False):
+        _, usage[f"scores keys={keys}"] = compile_sm90(
+            block_scores_kernel, {**rows, "q_ptr": "*bf16", "kc_ptr": "*bf16", "out_ptr": "*i32" if keys else "*fp32"},
+            dict(ROWS_PER_PAGE=4, H=4, H_PAD=4, D=128, BLOCK_R=cfg["BLOCK_R"], BLOCK_N=cfg["BLOCK_N"], WRITE_KEYS=keys,
+                 DOT_FP32=False), floats=("scale",), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    _, usage["clear invalid pages"] = compile_sm90(
+        clear_invalid_pages_kernel, {"keys_ptr": "*i32", "req_ptr": "*i64", "bt_ptr": "*i32"},
+        dict(ROWS_PER_PAGE=4, BLOCK_R=64, BLOCK_P=64))
+    for n_cols in (MAX_REGISTER_TILE, 2 * MAX_REGISTER_TILE):  # one register tile (64K), chunked (128K)
+        t = _topk_config(n_cols, 4 * 512 + 3)
+        _, usage[f"top-k {n_cols}"] = compile_sm90(
+            topk_kernel, {"src_ptr": "*i32", "vis_ptr": "*i32", "req_ptr": "*i64", "pos_ptr": "*i64",
+                          "seq_ptr": "*i32", "out_ptr": "*i32"},
+            dict(FROM_SCORES=False, EMIT_TOKENS=True, SINGLE_TILE=t["SINGLE_TILE"], BLOCK_N=t["BLOCK_N"],
+                 RADIX_BITS=t["RADIX_BITS"], EMIT_BLOCK=t["EMIT_BLOCK"], OUT_BLOCK=t["OUT_BLOCK"]),
+            num_warps=t["num_warps"])
+    _, usage["store compressed"] = compile_sm90(
+        store_compressed_kernel, {"kc_new_ptr": "*bf16", "grp_ptr": "*fp32", "req_ptr": "*i64", "pos_ptr": "*i64",
+                                  "bt_ptr": "*i32", "kc_ptr": "*bf16", "part_ptr": "*fp32"}, dict(D=128))
+    for cache in ("fp16", "u8"):
+        _, usage[f"cache write {cache}"] = compile_sm90(
+            cache_write_kernel, {"k_ptr": "*fp16", "v_ptr": "*fp16", "slot_ptr": "*i64", "k_cache_ptr": f"*{cache}",
+                                 "v_cache_ptr": f"*{cache}"},
+            dict(HEAD_DIM=256, BLOCK_D=256, IS_FP8=cache == "u8", SATURATE=True), floats=("k_scale", "v_scale"))
+    for what, u in usage.items():
+        assert u["local"] == 0, (what, u)
+    return usage
+
+
 def main() -> int:
     """Compile every kernel at its production settings; print resource usage; non-zero on failure."""
     for act, cache in (("fp16", "fp16"), ("bf16", "bf16"), ("fp16", "u8")):
@@ -389,6 +431,8 @@ def main() -> int:
     print("merge and planner kernels: compiled")
     check_arguments_of_one()
     print("arguments of 1: compiled")
+    for what, usage in check_selection_and_cache_kernels().items():
+        print(f"{what}: {usage}")
     print(f"gluon prototype (plain, lazy): {check_gluon_prototype()}")
     print(f"gluon warp-specialized prototype (V in 3, 2 buffers): {check_gluon_ws_prototype()}")
     return 0

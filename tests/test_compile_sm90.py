@@ -17,5 +17,6 @@ def test_kernels_compile_for_sm90():
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "grouped fp16/fp16 G=6" in proc.stdout and "merge and planner kernels: compiled" in proc.stdout
     assert "arguments of 1: compiled" in proc.stdout
+    assert "top-k 32768:" in proc.stdout and "cache write u8:" in proc.stdout
     assert "gluon prototype (plain, lazy):" in proc.stdout
     assert "gluon warp-specialized prototype (V in 3, 2 buffers):" in proc.stdout
