@@ -104,6 +104,54 @@ def test_rms_norm_and_rope():
     assert torch.allclose(t.norm(dim=-1), rms_norm(x[:, 0].float(), None, 1e-6).norm(dim=-1), rtol=1e-5)
 
 
+@pytest.mark.parametrize("change,match", [
+    (dict(num_kv_heads=0), "num_kv_heads must be a positive int"), (dict(head_dim=0), "head_dim"),
+    (dict(hidden_size=0), "hidden_size"), (dict(num_heads=-4), "num_heads"), (dict(index_topk=0), "index_topk"),
+    (dict(num_heads=True), "num_heads"), (dict(rms_norm_eps=-1.0), "rms_norm_eps"),
+    (dict(k_scale=float("nan")), "k_scale"), (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),
+    (dict(dtype=torch.float32), "dtype"), (dict(num_heads=5), "multiple of num_kv_heads"),
+])
+def test_config_refuses_nonsense(change, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        replace(TINY, **change)
+
+
+def test_step_inputs_are_checked_against_the_metadata_and_cache():
+    layer = QSAAttention(TINY)
+    cache = layer.allocate_cache(8, 8, 1)
+    meta = StepMetadata.build([0, 0], [0, 1], [2], [[1, -1]], [8, 9], block_size=8, device="cpu",
+                              route="reference")
+    x = torch.zeros(2, TINY.hidden_size, dtype=TINY.dtype)
+    with pytest.raises(ValueError, match=r"x must be \[T, hidden_size\] = \[2, 64\]"):
+        layer(x[:1], meta, cache)
+    with pytest.raises(ValueError, match="x must be"):
+        layer(torch.zeros(2, 32, dtype=TINY.dtype), meta, cache)
+    with pytest.raises(TypeError, match="x must have the config's dtype"):
+        layer(x.half(), meta, cache)
+    with pytest.raises(ValueError, match="meta.block_size"):
+        layer(x, meta, layer.allocate_cache(8, 16, 1))
+    with pytest.raises(ValueError, match="positions must have token_to_req's shape"):
+        StepMetadata.build([0, 0], [0], [2], [[1, -1]], [8, 9], block_size=8, device="cpu")
+    with pytest.raises(ValueError, match="seq_lens"):
+        StepMetadata.build([0, 0], [0, 1], [2, 2], [[1, -1]], [8, 9], block_size=8, device="cpu")
+    with pytest.raises(ValueError, match="block_size"):
+        StepMetadata.build([0, 0], [0, 1], [2], [[1, -1]], [8, 9], block_size=0, device="cpu")
+    for kw, match in ((dict(block_size=0), "block_size"), (dict(num_blocks=-1), "num_blocks"),
+                      (dict(fill="bogus"), "fill")):
+        args = dict(num_blocks=8, block_size=8, num_reqs=1)
+        args.update(kw)
+        with pytest.raises(ValueError, match=match):
+            layer.allocate_cache(args.pop("num_blocks"), args.pop("block_size"), args.pop("num_reqs"), **args)
+
+
+@pytest.mark.parametrize("route", ["reference", "xqa"])
+def test_a_step_of_no_token(route):
+    layer = QSAAttention(TINY)
+    meta = StepMetadata.build([], [], [0], [[-1, -1, -1, -1]], [], block_size=8, device="cpu", route=route)
+    y = layer(torch.zeros(0, TINY.hidden_size, dtype=TINY.dtype), meta, layer.allocate_cache(8, 8, 1))
+    assert y.shape == (0, TINY.hidden_size)
+
+
 def test_weights_shard_consistently():
     """TP2 shards are slices of the TP1 weights (same seed, same function)."""
     full = QSAAttention(TINY, seed=3)

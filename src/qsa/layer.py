@@ -21,6 +21,8 @@ before its attention, which keeps a step capturable in a CUDA graph.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -66,6 +68,23 @@ class QSAConfig:
     v_scale: float = 1.0
 
     def __post_init__(self):
+        for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "index_heads", "index_head_dim",
+                     "index_topk"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        for name in ("rotary_dim", "index_rotary_dim"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
+        if self.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {self.dtype}")
+        if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
+            raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
+        for name in ("rope_theta", "rms_norm_eps", "k_scale", "v_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                    or value <= 0:
+                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
@@ -193,16 +212,30 @@ class StepMetadata:
 
         if route not in routes.ROUTES:
             raise ValueError(f"route must be one of {routes.ROUTES}, got {route!r}")
+        if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size <= 0 \
+                or block_size % 4:
+            raise ValueError(f"block_size must be a positive multiple of 4, got {block_size!r}")
         if plan_order not in ("logical", "physical"):
             raise ValueError(f"plan_order must be 'logical' or 'physical', got {plan_order!r}")
         if backend is None:
             backend = routes.kernel_backend(route, device)
         elif backend not in routes.BACKENDS:
             raise ValueError(f"backend must be one of {routes.BACKENDS} or None, got {backend!r}")
-        return cls(as_tensor(token_to_req, torch.int32), as_tensor(positions, torch.int64),
+        meta = cls(as_tensor(token_to_req, torch.int32), as_tensor(positions, torch.int64),
                    as_tensor(seq_lens, torch.int32), as_tensor(block_table, torch.int32),
                    as_tensor(slot_mapping, torch.int64), int(block_size), route, plan_order, backend,
                    routes.max_query_len_of(token_to_req))
+        rows = meta.token_to_req.shape
+        for name in ("positions", "slot_mapping"):
+            if getattr(meta, name).shape != rows:
+                raise ValueError(f"{name} must have token_to_req's shape {tuple(rows)}, got "
+                                 f"{tuple(getattr(meta, name).shape)}")
+        if meta.token_to_req.dim() != 1 or meta.block_table.dim() != 2 \
+                or meta.seq_lens.shape != meta.block_table.shape[:1]:
+            raise ValueError(f"token_to_req must be [T], block_table [num_reqs, max_blocks] and seq_lens "
+                             f"[num_reqs], got {tuple(rows)}, {tuple(meta.block_table.shape)} and "
+                             f"{tuple(meta.seq_lens.shape)}")
+        return meta
 
     @property
     def num_rows(self) -> int:
@@ -321,8 +354,14 @@ class QSAAttention(nn.Module):
         of an unwritten slot shows in the output."""
         c = self.config
         device = device if device is not None else self.qg_proj.device
+        for name, value, least in (("num_blocks", num_blocks, 0), ("block_size", block_size, 4),
+                                   ("num_reqs", num_reqs, 0)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
         if block_size % 4:
             raise ValueError(f"block_size must be a multiple of 4, got {block_size}")
+        if fill not in (None, "nan", "zeros"):
+            raise ValueError(f"fill must be None, 'nan' or 'zeros', got {fill!r}")
         fp8 = c.kv_cache_dtype == "fp8_e4m3"
         kv = torch.empty((num_blocks, 2, block_size, self.num_kv_heads, c.head_dim),
                          dtype=torch.uint8 if fp8 else c.dtype, device=device)
@@ -365,6 +404,13 @@ class QSAAttention(nn.Module):
         ``v``, ``iq``, ``ik``, ``indices``, ``attn``) for tests and ``qsa verify``.
         """
         c = self.config
+        if x.dim() != 2 or x.shape[0] != meta.num_rows or x.shape[1] != c.hidden_size:
+            raise ValueError(f"x must be [T, hidden_size] = [{meta.num_rows}, {c.hidden_size}] (T: the metadata's "
+                             f"rows), got {tuple(x.shape)}")
+        if x.dtype != c.dtype:
+            raise TypeError(f"x must have the config's dtype {c.dtype}, got {x.dtype}")
+        if meta.block_size != cache.block_size:
+            raise ValueError(f"meta.block_size ({meta.block_size}) must be the cache's block size ({cache.block_size})")
         backend = meta.backend
         q, gate, k, v, iq, ik = self.project(x, meta.positions)
         ops.write_kv(cache.kv, k, v, meta.slot_mapping, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
@@ -375,7 +421,7 @@ class QSAAttention(nn.Module):
         indices = ops.select_tokens(iq, cache.kc, meta.block_table, meta.token_to_req, meta.positions,
                                     meta.seq_lens, k=c.index_topk, backend=backend)
         attn = self.attention(q, gate, indices, meta, cache)
-        y = F.linear(attn.reshape(x.shape[0], -1), self.o_proj)
+        y = F.linear(attn.reshape(x.shape[0], self.num_q_heads * c.head_dim), self.o_proj)
         if capture is not None:
             # attn lives in the step's shared buffer, which the next layer overwrites
             capture.update(q=q, gate=gate, k=k, v=v, iq=iq, ik=ik, indices=indices, attn=attn.clone())
