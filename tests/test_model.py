@@ -37,6 +37,36 @@ def test_prefill_schedule_covers_prompts():
     assert [[(c.slot, c.start, c.end) for c in s] for s in steps][:2] == [[(0, 0, 4)], [(0, 4, 5), (2, 0, 3)]]
 
 
+def test_serving_config_and_schedule_refuse_nonsense():
+    for kw, match in ((dict(chunk_size=0), "chunk_size"), (dict(chunk_size=-4), "chunk_size"),
+                      (dict(num_blocks=-3), "num_blocks"), (dict(max_reqs=0), "max_reqs"),
+                      (dict(block_size=6), "block_size"), (dict(route="bogus"), "route"),
+                      (dict(backend="cuda"), "backend"), (dict(plan_order="any"), "plan_order")):
+        with pytest.raises(ValueError, match=match):
+            ServingConfig(**{"num_blocks": 8, **kw})
+    with pytest.raises(ValueError, match="chunk_size"):
+        prefill_schedule([5], 0)
+
+
+def test_engine_recovers_from_a_failed_generation():
+    """A request too long for the table fails before anything is allocated, an empty prompt is refused,
+    and the engine serves the next batch as a fresh one would."""
+    model = TinyQSAModel(MICRO)
+    cfg = ServingConfig(num_blocks=12, block_size=8, max_reqs=2, max_blocks_per_req=4, chunk_size=12,
+                        route="reference")
+    engine = Engine(model, cfg)
+    with pytest.raises(ValueError, match=r"needs \d+ blocks, more than max_blocks_per_req=4"):
+        engine.generate([list(range(100))], 2)
+    with pytest.raises(ValueError, match="prompt 1 is empty"):
+        engine.generate([[5, 6, 7], []], 3)
+    ps = prompts([20, 9], 96)
+    got = engine.generate(ps, 2)
+    want = Engine(model, cfg).generate(ps, 2)
+    assert got.tokens == want.tokens and torch.equal(got.logits, want.logits)
+    assert engine.allocator.num_free_blocks == Engine(model, cfg).allocator.num_free_blocks
+    assert engine.lengths == [0, 0] and bool((engine.block_table == -1).all())
+
+
 def test_model_shapes_and_padding():
     model = TinyQSAModel(MICRO)
     assert len(model.layers) == 2 and model.layers[0].num_q_heads == 4

@@ -386,6 +386,10 @@ class BlockAllocator:
         self._tokens[req_id] = max(self._tokens[req_id], num_tokens)
         return list(blocks)
 
+    def __contains__(self, req_id) -> bool:
+        """Whether ``req_id`` holds an allocation (``allocate`` made it, ``free`` has not released it)."""
+        return req_id in self._blocks
+
     def free(self, req_id) -> None:
         """Release ``req_id``; blocks still used by another request stay allocated."""
         for b in self._get(req_id):

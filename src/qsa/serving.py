@@ -50,6 +50,23 @@ class ServingConfig:
     allocator_seed: int | None = 0
     poison: bool = True
 
+    def __post_init__(self):
+        from . import routes
+
+        for name, least in (("num_blocks", 1), ("block_size", 4), ("max_reqs", 1), ("max_blocks_per_req", 1),
+                            ("chunk_size", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        if self.block_size % 4:
+            raise ValueError(f"block_size must be a multiple of 4, got {self.block_size}")
+        if self.route not in routes.ROUTES:
+            raise ValueError(f"route must be one of {routes.ROUTES}, got {self.route!r}")
+        if self.plan_order not in ("logical", "physical"):
+            raise ValueError(f"plan_order must be 'logical' or 'physical', got {self.plan_order!r}")
+        if self.backend is not None and self.backend not in routes.BACKENDS:
+            raise ValueError(f"backend must be one of {routes.BACKENDS} or None, got {self.backend!r}")
+
 
 @dataclass
 class StepRecord:
@@ -95,6 +112,8 @@ class _Chunk:
 
 def prefill_schedule(prompt_lens: list[int], chunk_size: int) -> list[list[_Chunk]]:
     """Split the prompts into steps of at most ``chunk_size`` tokens, requests in order."""
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     steps, cur, room = [], [], chunk_size
     for slot, n in enumerate(prompt_lens):
         start = 0
@@ -140,12 +159,21 @@ class Engine:
         self._graph = None
 
     def _grow(self, slot: int, num_tokens: int) -> None:
-        blocks = self.allocator.allocate(slot, num_tokens)
-        if len(blocks) > self.config.max_blocks_per_req:
-            raise ValueError(f"request in slot {slot} needs {len(blocks)} blocks, more than "
+        need = -(-num_tokens // self.config.block_size)
+        if need > self.config.max_blocks_per_req:  # checked before anything is allocated
+            raise ValueError(f"request in slot {slot} needs {need} blocks, more than "
                              f"max_blocks_per_req={self.config.max_blocks_per_req}")
+        blocks = self.allocator.allocate(slot, num_tokens)
         self.block_table[slot, :len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
         self.lengths[slot] = num_tokens
+
+    def _release(self, num_slots: int) -> None:
+        """Free the first ``num_slots`` request slots (those a generation used), whatever they hold."""
+        for s in range(num_slots):
+            if s in self.allocator:
+                self.allocator.free(s)
+            self.block_table[s] = -1
+            self.lengths[s] = 0
 
     def _meta(self, token_to_req, positions, slots) -> StepMetadata:
         c = self.config
@@ -167,11 +195,21 @@ class Engine:
         Returns:
             :class:`GenerationResult`.
         """
-        c, dev, model = self.config, self.device, self.model
+        c = self.config
         if not 1 <= len(prompts) <= c.max_reqs:
             raise ValueError(f"need 1 to {c.max_reqs} prompts, got {len(prompts)}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        try:
+            return self._generate(prompts, max_new_tokens, on_step, capture_step, capture_layer)
+        finally:  # the slots are free again after a generation, also one that failed part way
+            self._release(len(prompts))
+
+    def _generate(self, prompts, max_new_tokens, on_step, capture_step, capture_layer) -> GenerationResult:
+        c, dev, model = self.config, self.device, self.model
         schedule = prefill_schedule([len(p) for p in prompts], c.chunk_size)
         total = len(schedule) + max_new_tokens - 1
         last_tok = torch.zeros(c.max_reqs, dtype=torch.int64, device=dev)
@@ -244,10 +282,6 @@ class Engine:
             for s, t in zip(slots_, tok.tolist()):
                 tokens[s].append(t)
         logits_all = torch.cat(logits_out).cpu()
-        for s in range(n):
-            self.allocator.free(s)
-            self.block_table[s] = -1
-            self.lengths[s] = 0
         return GenerationResult(tokens, logits_all, steps, t1 - t0, t2 - t1, captured)
 
     def _decode_graph(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
