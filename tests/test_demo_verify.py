@@ -62,6 +62,29 @@ def test_demo_fails_on_a_placement_dependent_defect(monkeypatch, capsys):
     assert "NOT bitwise equal" in out and "FAIL" in out
 
 
+@pytest.mark.parametrize("cmd,args,match", [
+    ("demo", ["--block-size", "0"], "--block-size"), ("demo", ["--block-size", "6"], "multiple of 4"),
+    ("demo", ["--requests", "0"], "--requests"), ("demo", ["--prompt-len", "-5"], "--prompt-len"),
+    ("demo", ["--layers", "-1"], "--layers"), ("demo", ["--chunk", "0"], "--chunk"),
+    ("demo", ["--alloc-seeds", "1", "1"], "must differ"), ("demo", ["--route", "fast"], "--route"),
+    ("verify", ["--sample", "-3"], "--sample"), ("verify", ["-n", "0"], "--relocations"),
+    ("verify", ["--load", "/nonexistent/step.pt"], "no such file"), ("verify", ["--device", "tpu"], "--device"),
+])
+def test_cli_refuses_bad_arguments(cmd, args, match, capsys):
+    with pytest.raises(SystemExit) as e:
+        (demo if cmd == "demo" else verify).main(["--device", "cpu", *args] if "--device" not in args else args)
+    assert e.value.code == 2
+    assert match in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cli_cuda_without_a_gpu(capsys):
+    for module in (demo, verify):
+        with pytest.raises(SystemExit):
+            module.main(["--device", "cuda"])
+        assert "no CUDA device is available" in capsys.readouterr().err
+
+
 def test_progress_bar_prints_once_off_a_terminal(capsys):
     bar = demo.ProgressBar("run A")
     for i in range(1, 6):

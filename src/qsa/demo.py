@@ -24,6 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .routes import ROUTES
+from .utils import cli_device, int_at_least
+
 CPU_DEFAULTS = dict(layers=2, requests=3, prompt_len=150, new_tokens=8, chunk=128, block_size=16, topk=16,
                     dtype="bf16")
 CPU_PHYSICAL_DEFAULTS = dict(layers=1, requests=2, prompt_len=96, new_tokens=3, chunk=64, block_size=16,
@@ -137,16 +140,17 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="qsa demo", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
-    p.add_argument("--route", default="auto", help="attention route: auto, grouped, xqa, splitk, reference")
+    p.add_argument("--route", default="auto", choices=ROUTES,
+                   help="attention route: auto, grouped, xqa, splitk, reference")
     p.add_argument("--plan-order", default="logical", choices=("logical", "physical"),
                    help="physical: also run a physical-order plan to show why the order is logical")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--requests", type=int)
-    p.add_argument("--prompt-len", type=int, help="length of the first prompt (the others are longer)")
-    p.add_argument("--new-tokens", type=int)
-    p.add_argument("--chunk", type=int, help="prefill tokens per step")
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--topk", type=int, help="blocks of 4 tokens each row selects")
+    p.add_argument("--layers", type=int_at_least(1))
+    p.add_argument("--requests", type=int_at_least(1))
+    p.add_argument("--prompt-len", type=int_at_least(1), help="length of the first prompt (the others are longer)")
+    p.add_argument("--new-tokens", type=int_at_least(1))
+    p.add_argument("--chunk", type=int_at_least(1), help="prefill tokens per step")
+    p.add_argument("--block-size", type=int_at_least(4), help="tokens per KV block, a multiple of 4")
+    p.add_argument("--topk", type=int_at_least(1), help="blocks of 4 tokens each row selects")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="activations and caches (default bf16; fp16 for the "
                    "CPU physical-order demonstration, whose 10-bit mantissa shows rounding flips more often)")
     p.add_argument("--seed", type=int, default=0, help="weights and prompts")
@@ -156,11 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed first pass that compiles the kernels (skipped under the interpreter)")
     args = p.parse_args(argv)
+    if args.block_size is not None and args.block_size % 4:
+        p.error(f"--block-size must be a multiple of 4, got {args.block_size}")
+    if args.alloc_seeds[0] == args.alloc_seeds[1]:
+        p.error("--alloc-seeds must differ: the demo compares two page placements")
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = cli_device(p, args.device)
     physical_cpu = args.plan_order == "physical" and device.type == "cpu"
-    if physical_cpu and args.route != "reference":
+    # On the CPU the Triton routes run under the interpreter (auto resolves to the reference route there).
+    if device.type == "cpu" and (physical_cpu or args.route not in ("auto", "reference")) \
+            and args.route != "reference":
         status = use_interpreter("qsa.demo", argv)
         if status is not None:
             return status

@@ -70,6 +70,38 @@ def overlaps_itself(t: torch.Tensor) -> bool:
     return False
 
 
+def int_at_least(least: int):
+    """An ``argparse`` type: an int >= ``least``."""
+    def parse(text: str) -> int:
+        import argparse
+
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an int >= {least}, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be an int >= {least}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {least}"
+    return parse
+
+
+def cli_device(parser, text: str) -> torch.device:
+    """``--device`` of the commands: "auto" (the GPU if there is one), "cpu", or a CUDA device that exists."""
+    if text == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        parser.error(f"--device must be auto, cpu or cuda, got {text!r}")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"--device must be auto, cpu or cuda, got {text!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {text}: no CUDA device is available")
+    return device
+
+
 def same_device(device_a: torch.device, device_b: torch.device) -> bool:
     a, b = torch.device(device_a), torch.device(device_b)
     if a.type != b.type:

@@ -22,11 +22,15 @@ replay differs by a single bit.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
 
 import torch
+
+from .routes import ROUTES
+from .utils import cli_device, int_at_least
 
 CPU_STEP = dict(prompts=(200, 136), chunk=76, step=2, block_size=16)
 GPU_STEP = dict(prompts=(6000, 3000), chunk=2052, step=2, block_size=64)
@@ -359,12 +363,12 @@ def report(checks: list[Check]) -> str:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(prog="qsa verify", description=__doc__.split("\n")[0])
-    p.add_argument("-n", "--relocations", type=int, default=None,
+    p.add_argument("-n", "--relocations", type=int_at_least(1), default=None,
                    help="random page relocations to replay (default 3 on the CPU, 12 on the GPU)")
     p.add_argument("--seed", type=int, default=0, help="model, prompts and relocation seed")
     p.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
-    p.add_argument("--route", default="auto", help="auto, grouped, xqa, splitk or reference")
-    p.add_argument("--sample", type=int, default=None,
+    p.add_argument("--route", default="auto", choices=ROUTES, help="auto, grouped, xqa, splitk or reference")
+    p.add_argument("--sample", type=int_at_least(1), default=None,
                    help=f"rows whose selection is replayed and whose indices are shuffled (default all on the "
                         f"GPU, {CPU_SAMPLE} on the CPU)")
     p.add_argument("--plan-order", default="logical", choices=("logical", "physical"),
@@ -372,9 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load", metavar="FILE", help="replay a step saved with --save instead of capturing one")
     p.add_argument("--save", metavar="FILE", help="save the captured step")
     args = p.parse_args(argv)
+    if args.load and not os.path.isfile(args.load):
+        p.error(f"--load {args.load}: no such file")
 
-    device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available() else
-                          "cpu" if args.device == "auto" else args.device)
+    device = cli_device(p, args.device)
     if device.type == "cpu" and args.route != "reference":
         from .demo import use_interpreter
 
