@@ -78,8 +78,12 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
             ascending, -1 last). Then up to ``routes.DIRECT_MAX_ROWS`` xqa rows are planned inside the
             attention kernel, not by a launch of their own, and planned xqa rows read in several steps
             skip the sorting planner's launch (:func:`qsa.plan.plan_single_rows`). Changes no bit of a
-            row of whole 4-token blocks and a tail (the indexer's selections; other rows agree within
-            rounding); a row that is not sorted after all costs an in-kernel sort.
+            row of whole 4-token blocks and a tail all of whose tokens are kept (the indexer's selections;
+            other rows, and rows with tokens dropped by the table, agree within rounding); a row that is
+            not sorted after all costs an in-kernel sort.
+
+    The plan keeps references to ``indices`` .. ``seq_lens`` and work lists derived from them: after any of
+    them changes, plan again (``out=`` the plan) before :func:`run_attention`.
     """
     if order not in ("logical", "physical"):
         raise ValueError(f"order must be 'logical' or 'physical', got {order!r}")
@@ -271,7 +275,8 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
             ``auto`` then takes xqa). Changes only which kernel runs, never the token sets.
         rows_sorted: each row of ``indices`` holds its kept tokens ascending and dropped entries last
             (as ``select_tokens`` emits them): small xqa batches then skip the plan launch. Changes
-            which kernel runs, and no bit of a row of whole 4-token blocks and a tail.
+            which kernel runs, and no bit of a row of whole 4-token blocks and a tail all of whose tokens
+            are kept.
 
     Returns:
         ``out`` (q's dtype), or ``(out, lse)`` with ``return_lse``.

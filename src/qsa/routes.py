@@ -17,8 +17,9 @@ says the rows are sorted (``rows_sorted``: ascending kept tokens, dropped entrie
 ``select_tokens`` emits them) and there are at most ``DIRECT_MAX_ROWS`` of them, "direct": each
 program reads its row's list straight from ``indices`` (one launch fewer). A row that is not sorted after
 all is sorted inside the direct kernel, correctly but slowly. A row of whole 4-token blocks and a tail (the
-indexer's selections) gets the same bits with or without the hint: the planned kernel cuts the rows the
-direct kernel could take as it would (:func:`xqa_cut`). Other rows agree within rounding.
+indexer's selections), all of whose tokens are kept, gets the same bits with or without the hint: the
+planned kernel cuts the rows the direct kernel could take as it would (:func:`xqa_cut`). Other rows agree
+within rounding.
 """
 
 from __future__ import annotations
