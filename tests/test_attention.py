@@ -491,7 +491,7 @@ def test_bad_inputs_name_the_argument():
         with pytest.raises(err, match=name):
             qsa.plan_attention(*plan_args, **{**shape, name: bad})
     for name in ("num_blocks", "block_size"):
-        with pytest.raises(ValueError, match=name):
+        with pytest.raises(TypeError, match=name):
             qsa.plan_attention(*plan_args, **{**shape, name: True})
 
 

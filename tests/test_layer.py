@@ -105,7 +105,7 @@ def test_rms_norm_and_rope():
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(num_kv_heads=0), "num_kv_heads must be a positive int"), (dict(head_dim=0), "head_dim"),
+    (dict(num_kv_heads=0), "num_kv_heads must be an int >= 1"), (dict(head_dim=0), "head_dim"),
     (dict(hidden_size=0), "hidden_size"), (dict(num_heads=-4), "num_heads"), (dict(index_topk=0), "index_topk"),
     (dict(num_heads=True), "num_heads"), (dict(rms_norm_eps=-1.0), "rms_norm_eps"),
     (dict(k_scale=float("nan")), "k_scale"), (dict(kv_cache_dtype="fp8"), "kv_cache_dtype"),

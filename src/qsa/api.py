@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -11,7 +9,7 @@ import torch
 from . import attention, routes
 from .plan import (GroupedPlan, PlanWorkspace, SingleRowPlan, check_plan_inputs, physical_order, plan_groups,
                    plan_single_rows, token_lists)
-from .utils import check_tensor, overlaps_itself, same_device
+from .utils import as_finite_float, check_int, check_tensor, overlaps_itself, same_device
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 ACT_DTYPES = (torch.float16, torch.bfloat16)
@@ -88,7 +86,7 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
     if order not in ("logical", "physical"):
         raise ValueError(f"order must be 'logical' or 'physical', got {order!r}")
     for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
-        _check_positive_int(name, value)
+        check_int(name, value, 1)
     if num_q_heads % num_kv_heads:
         raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     if out is not None and not isinstance(out, AttentionPlan):
@@ -120,32 +118,6 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
     return AttentionPlan(choice, single, grouped, tokens, counts,
                          (indices, block_table, token_to_req, positions, seq_lens), block_size, num_blocks,
                          num_q_heads, num_kv_heads, head_dim)
-
-
-def _check_positive_int(name: str, x) -> None:
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    if x <= 0:
-        raise ValueError(f"{name} must be positive, got {x}")
-
-
-def _as_float(name: str, x) -> float:
-    """``x`` as a finite python float (a number or a CPU scalar tensor, not a bool)."""
-    if isinstance(x, torch.Tensor):
-        if x.numel() != 1:
-            raise ValueError(f"{name} must be a scalar, got shape {tuple(x.shape)}")
-        if x.device.type != "cpu":
-            raise ValueError(f"{name} must be a python float or a CPU scalar tensor (no device sync)")
-        if x.dtype == torch.bool:
-            raise TypeError(f"{name} must be a float, got a bool tensor")
-        value = float(x)
-    elif isinstance(x, bool) or not isinstance(x, (int, float)):
-        raise TypeError(f"{name} must be a float, got {type(x).__name__}")
-    else:
-        value = float(x)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
 
 
 def _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype):
@@ -198,9 +170,9 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
         raise ValueError("the plan was made for other shapes: rows, cache geometry and heads must match")
     if not same_device(plan.inputs[0].device, q.device):
         raise ValueError(f"the plan was made on {plan.inputs[0].device}, q is on {q.device}")
-    k_scale = _as_float("k_scale", k_scale)
-    v_scale = _as_float("v_scale", v_scale)
-    scale = d ** -0.5 if softmax_scale is None else _as_float("softmax_scale", softmax_scale)
+    k_scale = as_finite_float("k_scale", k_scale)
+    v_scale = as_finite_float("v_scale", v_scale)
+    scale = d ** -0.5 if softmax_scale is None else as_finite_float("softmax_scale", softmax_scale)
     kv_fp8 = kv_cache_dtype == "fp8_e4m3"
     if kv_fp8:
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)

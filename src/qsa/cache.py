@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from numbers import Real
 
 import torch
 
 from . import routes
 from .kernels.cache_write import cache_write_kernel
-from .utils import check_tensor, next_pow2, same_device
+from .utils import check_positive_float, check_tensor, next_pow2, same_device
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -60,7 +59,7 @@ def quantize_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
     ``tensor / python_float`` multiplies by a reciprocal instead (one fp32 ulp off at times, which can
     flip an E4M3 rounding), so the scale is passed as a tensor.
     """
-    _check_scale("scale", scale)
+    check_positive_float("scale", scale)
     s = torch.tensor(float(scale), dtype=torch.float32, device=x.device)
     return (x.float() / s).to(torch.float8_e4m3fn).view(torch.uint8)
 
@@ -68,16 +67,8 @@ def quantize_e4m3(x: torch.Tensor, scale: float) -> torch.Tensor:
 def dequantize_e4m3(u8: torch.Tensor, scale: float) -> torch.Tensor:
     """Bytes holding E4M3FN values -> fp32 ``e4m3.float() * scale``."""
     check_tensor("u8", u8, dtypes=torch.uint8)
-    _check_scale("scale", scale)
+    check_positive_float("scale", scale)
     return u8.view(torch.float8_e4m3fn).float() * float(scale)
-
-
-def _check_scale(name: str, scale) -> None:
-    if isinstance(scale, bool) or not isinstance(scale, Real):
-        raise TypeError(f"{name} must be a python float (a host value, no device tensor), "
-                        f"got {type(scale).__name__}")
-    if not (0.0 < float(scale) < float("inf")):
-        raise ValueError(f"{name} must be finite and > 0, got {scale}")
 
 
 def _check_kv_cache_dtype(kv_cache_dtype: str) -> None:
@@ -108,8 +99,8 @@ class PagedKVCache:
     def __post_init__(self):
         _check_kv_cache_dtype(self.kv_cache_dtype)
         _check_cache_pair(self.k, self.v, self.kv_cache_dtype)
-        _check_scale("k_scale", self.k_scale)
-        _check_scale("v_scale", self.v_scale)
+        check_positive_float("k_scale", self.k_scale)
+        check_positive_float("v_scale", self.v_scale)
         if self.storage is not None:
             check_tensor("storage", self.storage, ndim=5,
                          shape=(self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim),
@@ -283,8 +274,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     for name, t in (("k", k), ("v", v), ("slot_mapping", slot_mapping)):
         if not same_device(t.device, k_cache.device):
             raise ValueError(f"{name} must be on the cache's device {k_cache.device}, got {t.device}")
-    _check_scale("k_scale", k_scale)
-    _check_scale("v_scale", v_scale)
+    check_positive_float("k_scale", k_scale)
+    check_positive_float("v_scale", v_scale)
     if num_tokens == 0:
         return
     if routes.resolve_backend(backend, k_cache.device) == "torch":

@@ -21,8 +21,6 @@ before its attention, which keeps a step capturable in a CUDA graph.
 
 from __future__ import annotations
 
-import math
-import numbers
 from dataclasses import dataclass, field
 
 import torch
@@ -31,6 +29,7 @@ from torch import nn
 
 from . import ops, routes
 from .tp import HeadShard, TPInfo, all_reduce, shard_heads
+from .utils import check_int, check_positive_float
 
 
 @dataclass(frozen=True)
@@ -70,21 +69,15 @@ class QSAConfig:
     def __post_init__(self):
         for name in ("hidden_size", "num_heads", "num_kv_heads", "head_dim", "index_heads", "index_head_dim",
                      "index_topk"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        for name in ("rotary_dim", "index_rotary_dim"):
-            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
-                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
+            check_int(name, getattr(self, name), 1)
+        check_int("rotary_dim", self.rotary_dim)
+        check_int("index_rotary_dim", self.index_rotary_dim)
         if self.dtype not in (torch.float16, torch.bfloat16):
             raise TypeError(f"dtype must be torch.float16 or torch.bfloat16, got {self.dtype}")
         if self.kv_cache_dtype not in ("auto", "fp8_e4m3"):
             raise ValueError(f"kv_cache_dtype must be 'auto' or 'fp8_e4m3', got {self.kv_cache_dtype!r}")
         for name in ("rope_theta", "rms_norm_eps", "k_scale", "v_scale"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                    or value <= 0:
-                raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+            check_positive_float(name, getattr(self, name))
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads "
                              f"({self.num_kv_heads})")
@@ -212,8 +205,7 @@ class StepMetadata:
 
         if route not in routes.ROUTES:
             raise ValueError(f"route must be one of {routes.ROUTES}, got {route!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, numbers.Integral) or block_size <= 0 \
-                or block_size % 4:
+        if check_int("block_size", block_size, 4) % 4:
             raise ValueError(f"block_size must be a positive multiple of 4, got {block_size!r}")
         if plan_order not in ("logical", "physical"):
             raise ValueError(f"plan_order must be 'logical' or 'physical', got {plan_order!r}")
@@ -356,8 +348,7 @@ class QSAAttention(nn.Module):
         device = device if device is not None else self.qg_proj.device
         for name, value, least in (("num_blocks", num_blocks, 0), ("block_size", block_size, 4),
                                    ("num_reqs", num_reqs, 0)):
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
-                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+            check_int(name, value, least)
         if block_size % 4:
             raise ValueError(f"block_size must be a multiple of 4, got {block_size}")
         if fill not in (None, "nan", "zeros"):

@@ -20,11 +20,10 @@ The Python wrappers below mirror the library functions' signatures.
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from . import routes
+from .utils import as_finite_float, check_int
 
 # ----------------------------------------------------------------------------------------------
 # custom ops
@@ -111,20 +110,6 @@ def _(raw_k, token_to_req, positions, kc_cache, block_table, partial, norm_weigh
 # Python wrappers (library signatures)
 
 
-def _float(name: str, x) -> float:
-    """``x`` for a ``float`` argument of an op, checked as the library checks it (no bool, finite)."""
-    from .api import _as_float
-
-    return _as_float(name, x)
-
-
-def _int(name: str, x) -> int:
-    """``x`` for an ``int`` argument of an op: an integer, not a bool (the library checks its range)."""
-    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
-    return int(x)
-
-
 def _bool(name: str, x) -> bool:
     if not isinstance(x, bool):
         raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
@@ -139,9 +124,9 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
     (no ``out=``: the op is functional). Returns ``out`` or ``(out, lse)``."""
     out, lse = torch.ops.qsa.sparse_paged_attention(
         q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, gate, kv_cache_dtype,
-        _float("k_scale", k_scale), _float("v_scale", v_scale),
-        None if softmax_scale is None else _float("softmax_scale", softmax_scale), _bool("return_lse", return_lse),
-        route, None if max_query_len is None else _int("max_query_len", max_query_len),
+        as_finite_float("k_scale", k_scale), as_finite_float("v_scale", v_scale),
+        None if softmax_scale is None else as_finite_float("softmax_scale", softmax_scale), _bool("return_lse", return_lse),
+        route, None if max_query_len is None else check_int("max_query_len", max_query_len),
         _bool("rows_sorted", rows_sorted))
     return (out, lse) if return_lse else out
 
@@ -150,15 +135,15 @@ def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_l
                   backend: str = "triton") -> torch.Tensor:
     """:func:`qsa.indexer.select_tokens` through the ``qsa::select_tokens`` custom op."""
     return torch.ops.qsa.select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_lens,
-                                       _int("k", k), backend)
+                                       check_int("k", k), backend)
 
 
 def write_kv(kv_cache, k, v, slot_mapping, *, kv_cache_dtype: str = "auto", k_scale: float = 1.0,
              v_scale: float = 1.0, backend: str = "triton") -> None:
     """Write ``k``, ``v`` ``[T, Hkv, D]`` into an interleaved ``kv_cache``
     ``[num_blocks, 2, block_size, Hkv, D]`` at ``slot_mapping`` (the ``qsa::write_kv`` custom op)."""
-    torch.ops.qsa.write_kv(kv_cache, k, v, slot_mapping, kv_cache_dtype, _float("k_scale", k_scale),
-                           _float("v_scale", v_scale), backend)
+    torch.ops.qsa.write_kv(kv_cache, k, v, slot_mapping, kv_cache_dtype, as_finite_float("k_scale", k_scale),
+                           as_finite_float("v_scale", v_scale), backend)
 
 
 def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table, partial, *,
@@ -167,5 +152,5 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
     """Feed one step's raw index keys into the compressed-key cache (``qsa::update_compressed_keys``),
     transforming each compressed key by RMSNorm (``norm_weight + 1``) and RoPE at position ``4b``."""
     torch.ops.qsa.update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table, partial,
-                                         norm_weight, _float("eps", eps), _int("rotary_dim", rotary_dim),
-                                         _float("rope_theta", rope_theta), backend)
+                                         norm_weight, as_finite_float("eps", eps), check_int("rotary_dim", rotary_dim),
+                                         as_finite_float("rope_theta", rope_theta), backend)

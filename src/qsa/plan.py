@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .utils import INT32_MAX, check_tensor, interpreter_enabled, launch_options, next_pow2, round_up
+from .utils import INT32_MAX, check_int, check_tensor, interpreter_enabled, launch_options, next_pow2, round_up
 
 PAD = 16
 """Plans pad their lists to a multiple of this many entries (a multiple of every kernel tile)."""
@@ -274,10 +274,9 @@ def check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, *
                  shape=(rows,), what="[rows] int64")
     check_tensor("seq_lens", seq_lens, dtypes=torch.int32, device=dev,
                  shape=(block_table.shape[0],), what="[num_reqs] int32")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0 or block_size % 4:
+    if check_int("block_size", block_size, 4) % 4:
         raise ValueError(f"block_size must be a positive multiple of 4, got {block_size!r}")
-    if isinstance(num_blocks, bool) or not isinstance(num_blocks, int) or num_blocks < 0:
-        raise ValueError(f"num_blocks must be a non-negative int, got {num_blocks!r}")
+    check_int("num_blocks", num_blocks, 0)
     if num_blocks * (block_size // 4) > INT32_MAX:
         raise ValueError(f"num_blocks * block_size // 4 must fit in int32, got {num_blocks} blocks "
                          f"of {block_size}")

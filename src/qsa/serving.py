@@ -52,12 +52,11 @@ class ServingConfig:
 
     def __post_init__(self):
         from . import routes
+        from .utils import check_int
 
         for name, least in (("num_blocks", 1), ("block_size", 4), ("max_reqs", 1), ("max_blocks_per_req", 1),
                             ("chunk_size", 1)):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+            check_int(name, getattr(self, name), least)
         if self.block_size % 4:
             raise ValueError(f"block_size must be a multiple of 4, got {self.block_size}")
         if self.route not in routes.ROUTES:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import math
+import numbers
 import os
 
 import torch
@@ -56,6 +58,40 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=N
             raise ValueError(f"{name} must have shape {want}{desc}, got {tuple(t.shape)}")
     if device is not None and t.device != torch.device(device):
         raise ValueError(f"{name} must be on {device}, got {t.device}")
+
+
+def check_int(name: str, x, least: int | None = None) -> int:
+    """``x`` as an int (a python or numpy integer, not a bool), at least ``least`` when given."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if least is not None and x < least:
+        raise ValueError(f"{name} must be an int >= {least}, got {x}")
+    return int(x)
+
+
+def as_finite_float(name: str, x) -> float:
+    """``x`` as a finite python float (a number or a CPU scalar tensor, not a bool)."""
+    if isinstance(x, torch.Tensor):
+        if x.numel() != 1:
+            raise ValueError(f"{name} must be a scalar, got shape {tuple(x.shape)}")
+        if x.device.type != "cpu":
+            raise ValueError(f"{name} must be a python float or a CPU scalar tensor (no device sync)")
+        if x.dtype == torch.bool:
+            raise TypeError(f"{name} must be a float, got a bool tensor")
+    elif isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a float, got {type(x).__name__}")
+    value = float(x)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def check_positive_float(name: str, x) -> None:
+    """``x`` is a finite number > 0 held on the host (not a bool, not a tensor)."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        raise TypeError(f"{name} must be a python float (a host value, no device tensor), got {type(x).__name__}")
+    if not (0.0 < float(x) < float("inf")):
+        raise ValueError(f"{name} must be finite and > 0, got {x}")
 
 
 def overlaps_itself(t: torch.Tensor) -> bool:
