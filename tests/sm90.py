@@ -228,7 +228,8 @@ def check_merge_and_planner_kernels():
         compile_sm90(merge_splits_kernel, partials,
                      dict(NUM_SPLITS=8, BLOCK_S=8, HEAD_DIM=256, HAS_GATE=True, RETURN_LSE=True,
                           BLOCK_D=routes.merge_config(8, 256, xqa_lists=xqa_lists)[0]), floats=("v_scale",))
-    direct = {**_attention_pointers("fp16", "fp16"), **partials, "idx_ptr": "*i32", "bt_ptr": "*i32",
+    direct = {**_attention_pointers("fp16", "fp16"), **partials, "redo_acc_ptr": "*fp32", "redo_ml_ptr": "*fp32",
+              "idx_ptr": "*i32", "bt_ptr": "*i32",
               "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32", "scratch_ptr": "*i32"}
 
     def direct_merge(lists, cap):  # mtp-8 (8 lists) or mtp-16 (16 lists): 17 splits

@@ -240,6 +240,38 @@ def test_direct_xqa_resolved_splits_at_real_width(splits):
     assert torch.equal(outs[0], outs[1]), f"{splits} splits: resolved vs tile by tile"
 
 
+@pytest.mark.parametrize("rows", [8, 5])
+def test_deferred_merge_of_rows_out_of_order_over_many_replays(rows):
+    """MTP rows at 64K, shuffled, with the ``rows_sorted`` hint: every direct split finds its row out of
+    order and the deferred merge, two 128-column programs per head (``routes.merge_config``), recomputes
+    it. 400 CUDA-graph replays, each bitwise the output of the sorted rows: the column programs of a head
+    must agree on recomputing whatever order they run in (their recomputed partials have a buffer of
+    their own)."""
+    from qsa import routes
+
+    c = qsa_case(rows=rows, context=65536, seed=21)
+    assert routes.merge_config(17, 256, xqa_lists=rows)[0] == 128
+    hint = dict(rows_sorted=True, return_lse=True)
+    base = run(c, "xqa", **hint)
+    check_against_reference(c, "xqa")
+    perm = torch.argsort(torch.rand(c["indices"].shape, generator=torch.Generator().manual_seed(2)), dim=1)
+    shuffled = {**c, "indices": torch.gather(c["indices"], 1, perm.cuda())}
+    plan = qsa.plan_attention(shuffled["indices"], c["block_table"], c["token_to_req"], c["positions"],
+                              c["seq_lens"], block_size=16, num_blocks=c["kv"].shape[0], num_q_heads=6,
+                              num_kv_heads=1, head_dim=256, rows_sorted=True)
+    assert plan.routes.direct
+    out = torch.full_like(c["q"], float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qsa.run_attention(plan, c["q"], c["kv"][:, 0], c["kv"][:, 1], out=out)
+    wrong = 0
+    for _ in range(400):
+        out.fill_(float("nan"))
+        graph.replay()
+        wrong += not torch.equal(out, base[0])
+    assert wrong == 0, f"{wrong} of 400 replays differ from the sorted rows"
+
+
 def test_cuda_graph_replay_matches_eager():
     rows, context = 257, 32768
     a = qsa_case(rows=rows, context=context, num_reqs=2, seed=3)

@@ -231,6 +231,39 @@ def test_deferred_merge_by_column_blocks(monkeypatch):
     _assert_bitwise(whole, run_direct(case, splits=2, defer_check=True), "two column programs per head")
 
 
+def test_deferred_merge_leaves_the_direct_partials(monkeypatch):
+    """The deferred merge recomputes a row out of order into partials of its own: the direct kernel's
+    partials, which every column program of a head reads to decide whether to recompute, are the same
+    bits after the merge as before it. (Rewritten in place, a column program that loads after another
+    has rewritten some splits on the GPU merges a mix of old and recomputed ones; the interpreter runs
+    the programs one after another, so this is what the test can see.)"""
+    import qsa.kernels.xqa as kx
+
+    case, _ = split_boundary_case()
+    seen = []
+
+    class Spy:
+        def __init__(self, kernel):
+            self.kernel = kernel
+
+        def __getitem__(self, grid):
+            def launch(part_acc, part_ml, *args, **kw):
+                before = (part_acc.clone(), part_ml.clone())
+                self.kernel[grid](part_acc, part_ml, *args, **kw)
+                seen.append((grid[2], before, (part_acc, part_ml), args[:2]))
+            return launch
+
+    monkeypatch.setattr(kx, "xqa_direct_merge_kernel", Spy(kx.xqa_direct_merge_kernel))
+    monkeypatch.setattr(routes, "merge_config", lambda splits, d, xqa_lists=None: (d // 2, 2))
+    check(case, run_direct(case, splits=2, defer_check=True))
+    (columns, before, after, redo), = seen
+    assert columns == 2
+    for name, old, new in zip(("part_acc", "part_ml"), before, after):
+        assert torch.equal(old.view(torch.int32), new.view(torch.int32)), f"the merge rewrote {name}"
+    # Rows out of order were recomputed into the redo partials, with positive sums for every head.
+    assert (redo[1][1:4, :, :, 1] >= 0).all() and not (before[1][1:4, :, :, 1] >= 0).all()
+
+
 def test_deferred_check_without_the_boundary_is_caught(monkeypatch):
     """The test above rejects a split check that skips the boundary."""
     import qsa.kernels.xqa as kx

@@ -107,9 +107,14 @@ def _merge(part_acc, part_ml, *, out, lse, gate, row_offset, v_scale, num_splits
     )
 
 
-def _partials(n, hq, splits, d, device):
-    return (torch.empty((n, hq, splits, d), dtype=torch.float32, device=device),
-            torch.empty((n, hq, splits, 2), dtype=torch.float32, device=device))
+def _partials(n, hq, splits, d, device, copies: int = 1):
+    """fp32 split partials ``(acc [n, hq, splits, d], ml [n, hq, splits, 2])``; with ``copies`` > 1, that
+    many such pairs cut from two allocations."""
+    acc = torch.empty((copies, n, hq, splits, d), dtype=torch.float32, device=device)
+    ml = torch.empty((copies, n, hq, splits, 2), dtype=torch.float32, device=device)
+    if copies == 1:
+        return acc[0], ml[0]
+    return [(acc[i], ml[i]) for i in range(copies)]
 
 
 def _score_halves(cfg: routes.SplitConfig, head_dim: int) -> bool:
@@ -185,10 +190,13 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
     elif scratch.dtype != torch.int32 or scratch.shape[0] != rows or scratch.shape[1] < block_w \
             or scratch.stride(1) != 1:
         raise ValueError(f"scratch must be a [{rows}, >= {block_w}] int32 tensor, got {tuple(scratch.shape)}")
-    part_acc, part_ml = _partials(n, hq, splits, d, q.device) if splits > 1 else (out, out)
     split_n = next_pow2(-(-tiles // splits) * cfg.tile_tokens)  # a split's entries, rounded up
     resolve = cfg.resolve_split and routes.direct_resolves(n * hkv, splits, split_n, cfg.programs_per_sm, q.device)
     defer = cfg.defer_check and resolve and splits > 1
+    if defer:  # the merge recomputes a row out of order into partials of its own
+        (part_acc, part_ml), redo = _partials(n, hq, splits, d, q.device, copies=2)
+    else:
+        part_acc, part_ml = _partials(n, hq, splits, d, q.device) if splits > 1 else (out, out)
     inputs = (q, k, v, indices, block_table, token_to_req, positions, seq_lens, scratch)
     sizes = (row_start, width, block_table.shape[0], block_table.shape[1], k.shape[0], hq, qk_scale, float(v_scale))
     shared = dict(stride_idx_row=indices.stride(0), stride_scratch_row=scratch.stride(0),
@@ -216,7 +224,7 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
         block_d, warps = routes.merge_config(splits, d, xqa_lists=n * hkv)
         cap = routes.direct_merge_registers(n * hkv * splits, cfg.programs_per_sm, q.device)
         xqa_direct_merge_kernel[(n, hq, d // block_d)](
-            part_acc, part_ml, out, g, lse_t, *inputs, *sizes, **shared, BLOCK_S=next_pow2(splits),
+            part_acc, part_ml, *redo, out, g, lse_t, *inputs, *sizes, **shared, BLOCK_S=next_pow2(splits),
             BLOCK_D=block_d, HALVES=_score_halves(cfg, d), num_warps=warps, **({"maxnreg": cap} if cap else {}),
             **launch_options(q.device))
     elif splits > 1:

@@ -372,7 +372,7 @@ def xqa_direct_kernel(
 
 @triton.jit(noinline=True)  # out of line: inlined, the direct step was 0.4-1 us slower on the H200
 def _recompute_splits(q_ptr, k_ptr, v_ptr, idx_ptr, bt_ptr, req_ptr, pos_ptr, seq_lens_ptr, scratch_ptr,
-                      part_acc_ptr, part_ml_ptr, i_local, i_h, row_offset, W, num_reqs, max_blocks, num_blocks, Hq,
+                      redo_acc_ptr, redo_ml_ptr, i_local, i_h, row_offset, W, num_reqs, max_blocks, num_blocks, Hq,
                       qk_scale, stride_q_row, stride_q_head, stride_k_block, stride_k_tok, stride_k_head,
                       stride_v_block, stride_v_tok, stride_v_head, stride_idx_row, stride_scratch_row, stride_bt,
                       G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
@@ -381,7 +381,8 @@ def _recompute_splits(q_ptr, k_ptr, v_ptr, idx_ptr, bt_ptr, req_ptr, pos_ptr, se
                       HALVES: tl.constexpr):
     """Every split of partial row ``i_local``, attended again from its sorted list as
     ``xqa_direct_kernel`` attends a row out of order (its tiles and steps, tile by tile), stored for
-    head ``i_h`` only."""
+    head ``i_h`` only, into the redo partials (never the direct kernel's, which every program of the
+    row and head reads first)."""
     i_r = i_local + row_offset
     i_kvh = i_h // G
     o_m = tl.arange(0, BLOCK_G)
@@ -410,14 +411,16 @@ def _recompute_splits(q_ptr, k_ptr, v_ptr, idx_ptr, bt_ptr, req_ptr, pos_ptr, se
                                                        stride_k_head, stride_v_block, stride_v_tok, stride_v_head,
                                                        BLOCK_SIZE, SAME_KV_STRIDES, HEAD_DIM, HALVES, KV_FP8,
                                                        DOT_DTYPE)
-        store_partials(b_acc, b_acc1, b_m, b_l, o_row, o_head, m_row & (o_head == i_h), i_split, part_acc_ptr,
-                       part_ml_ptr, Hq, NUM_SPLITS, HEAD_DIM, HALVES)
+        store_partials(b_acc, b_acc1, b_m, b_l, o_row, o_head, m_row & (o_head == i_h), i_split, redo_acc_ptr,
+                       redo_ml_ptr, Hq, NUM_SPLITS, HEAD_DIM, HALVES)
 
 
 @triton.jit
 def xqa_direct_merge_kernel(
     part_acc_ptr,  # [n, Hq, NUM_SPLITS, D] fp32
     part_ml_ptr,  # [n, Hq, NUM_SPLITS, 2] fp32
+    redo_acc_ptr,  # [n, Hq, NUM_SPLITS, D] fp32: the partials of a row recomputed here
+    redo_ml_ptr,  # [n, Hq, NUM_SPLITS, 2] fp32
     out_ptr,  # [rows, Hq, D]
     gate_ptr,  # [rows, Hq, D] or unused
     lse_ptr,  # [rows, Hq] fp32 or unused
@@ -477,8 +480,11 @@ def xqa_direct_merge_kernel(
     Any other row is sorted (``_direct_row_list``), and each of its splits is attended again from the
     sorted list, tile by tile, with the direct kernel's tiles and steps: the partials are bitwise those
     that the direct kernel computes for an unsorted row without the deferred check. The program stores
-    them for its own head (all columns: a head's column programs store the same values), then merges them
-    as it would have merged the direct kernel's."""
+    them for its own head (all columns: a head's column programs store the same values) in the redo
+    partials, then merges them as it would have merged the direct kernel's. The direct kernel's partials
+    are only read here, so every column program of a head sees the same negative sum and takes the same
+    branch in whatever order they run (rewritten in place, a program loading after another had rewritten
+    some of the splits could merge a mix of old and recomputed ones)."""
     enter_launch(PDL)
     i_local = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
@@ -487,13 +493,13 @@ def xqa_direct_merge_kernel(
                                           HEAD_DIM)
     if tl.min(b_ls, 0) < 0:
         _recompute_splits(q_ptr, k_ptr, v_ptr, idx_ptr, bt_ptr, req_ptr, pos_ptr, seq_lens_ptr, scratch_ptr,
-                          part_acc_ptr, part_ml_ptr, i_local, i_h, row_offset, W, num_reqs, max_blocks, num_blocks,
+                          redo_acc_ptr, redo_ml_ptr, i_local, i_h, row_offset, W, num_reqs, max_blocks, num_blocks,
                           Hq, qk_scale, stride_q_row, stride_q_head, stride_k_block, stride_k_tok, stride_k_head,
                           stride_v_block, stride_v_tok, stride_v_head, stride_idx_row, stride_scratch_row,
                           stride_bt, G, BLOCK_G, BLOCK_N, BLOCK_W, NUM_SPLITS, HEAD_DIM, BLOCK_SIZE, KV_FP8,
                           SAME_KV_STRIDES, DOT_DTYPE, HALVES)
         tl.debug_barrier()  # the partials are written before they are read back
-        b_ms, b_ls, b_a = load_split_partials(part_acc_ptr, part_ml_ptr, i_local, i_h, o_d, Hq, NUM_SPLITS,
+        b_ms, b_ls, b_a = load_split_partials(redo_acc_ptr, redo_ml_ptr, i_local, i_h, o_d, Hq, NUM_SPLITS,
                                               BLOCK_S, HEAD_DIM)
     merge_split_partials(b_ms, b_ls, b_a, i_local + row_offset, i_h, o_d, out_ptr, gate_ptr, lse_ptr, v_scale,
                          stride_o_row, stride_o_head, stride_g_row, stride_g_head, stride_lse_row, HAS_GATE,
