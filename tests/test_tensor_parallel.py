@@ -38,7 +38,15 @@ def _worker(rank, world, port, backend, out_dir, run_kw):
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
     layer = QSAAttention(CFG, tp=tp, seed=SEED, device=device)
     out, steps, _ = run_layer(layer, _inputs(device), **run_kw, capture=True)
-    torch.save({"out": out.cpu(), "indices": [s["indices"].cpu() for s in steps],
+    # all_reduce sums into a tensor of its own, whatever the input's dtype and layout.
+    reduced = []
+    for x in (torch.full((3, 2), rank + 1.0, device=device), torch.full((2, 3), rank + 1.0, device=device).t(),
+              torch.full((3, 2), rank + 1.0, device=device, dtype=torch.bfloat16)):
+        given = x.clone()
+        y = all_reduce(x, tp)
+        reduced.append(torch.equal(x, given) and y.dtype == x.dtype and y.shape == x.shape
+                       and bool((y == world * (world + 1) / 2).all()))
+    torch.save({"out": out.cpu(), "reduced": reduced, "indices": [s["indices"].cpu() for s in steps],
                 "shape": (layer.num_q_heads, layer.num_kv_heads, tuple(layer.k_proj.shape))},
                os.path.join(out_dir, f"rank{rank}.pt"))
     destroy()
@@ -58,6 +66,7 @@ def check_tp(results, world, run_kw=RUN, device="cpu"):
     for r, res in enumerate(results):
         assert res["shape"][:2] == want_heads, f"rank {r} holds {res['shape'][:2]} heads"
         assert res["shape"][2] == (CFG.head_dim, CFG.hidden_size)
+        assert len(res["indices"]) == len(steps1) > 0, f"rank {r} ran {len(res['indices'])} steps"
         for a, b in zip(res["indices"], steps1):
             assert torch.equal(a, b["indices"].cpu()), "the selection must be replicated exactly"
         assert torch.equal(res["out"].view(torch.int16), results[0]["out"].view(torch.int16)), \
@@ -95,9 +104,31 @@ def test_tensor_parallel_shards_and_all_reduce_single_process():
     assert all_reduce(ref, TPInfo()) is ref  # TP1: no communication
 
 
+def test_tp_info_and_local_group_check_their_arguments():
+    """Bad ranks, sizes and reduce dtypes are refused by name, before any process group is joined (a rank
+    past the world size would otherwise wait for its peers)."""
+    for kw, err, match in ((dict(rank=1, world_size=1), ValueError, "rank"),
+                           (dict(rank=-1, world_size=2), ValueError, "rank"),
+                           (dict(rank=0, world_size=0), ValueError, "world_size"),
+                           (dict(rank=1.0, world_size=2), TypeError, "rank"),
+                           (dict(rank=True, world_size=2), TypeError, "rank"),
+                           (dict(rank=0, world_size=2.0), TypeError, "world_size"),
+                           (dict(rank=0, world_size=2, reduce_dtype="float32"), TypeError, "reduce_dtype"),
+                           (dict(rank=0, world_size=2, reduce_dtype=torch.int32), TypeError, "reduce_dtype")):
+        with pytest.raises(err, match=match):
+            TPInfo(**kw)
+    assert TPInfo(1, 2, reduce_dtype=None).reduce_dtype is None
+    for rank, world in ((1, 1), (-1, 2), (0, 0)):
+        with pytest.raises(ValueError, match="rank|world_size"):
+            init_local_group(rank, world, free_port())
+    assert not torch.distributed.is_initialized()
+
+
 def test_tensor_parallel_two_processes_gloo(tmp_path):
     results = run_tp(2, tmp_path)
     check_tp(results, 2)
+    for r, res in enumerate(results):  # fp32, transposed and bf16 inputs left as given, sums right
+        assert res["reduced"] == [True] * 3, f"rank {r}: all_reduce {res['reduced']}"
 
 
 def test_tensor_parallel_four_processes_gloo(tmp_path):
@@ -105,6 +136,7 @@ def test_tensor_parallel_four_processes_gloo(tmp_path):
     assert [shard_heads(24, 2, TPInfo(r, 4)).kv_start for r in range(4)] == [0, 0, 1, 1]
     results = run_tp(4, tmp_path)
     check_tp(results, 4)
+    assert all(res["reduced"] == [True] * 3 for res in results)
 
 
 def test_tensor_parallel_check_rejects_a_missing_all_reduce():

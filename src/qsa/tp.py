@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .utils import check_int
+
 
 @dataclass(frozen=True)
 class TPInfo:
@@ -42,8 +44,12 @@ class TPInfo:
     reduce_dtype: torch.dtype | None = torch.float32
 
     def __post_init__(self):
-        if self.world_size < 1 or not 0 <= self.rank < self.world_size:
+        check_int("world_size", self.world_size, 1)
+        if not 0 <= check_int("rank", self.rank) < self.world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank {self.rank}, world_size {self.world_size}")
+        if self.reduce_dtype is not None and (not isinstance(self.reduce_dtype, torch.dtype)
+                                              or not self.reduce_dtype.is_floating_point):
+            raise TypeError(f"reduce_dtype must be a floating torch.dtype or None, got {self.reduce_dtype!r}")
 
     @classmethod
     def from_distributed(cls, group=None, reduce_dtype: torch.dtype | None = torch.float32) -> "TPInfo":
@@ -97,13 +103,13 @@ def shard_heads(num_q_heads: int, num_kv_heads: int, tp: TPInfo) -> HeadShard:
 
 
 def all_reduce(x: torch.Tensor, tp: TPInfo) -> torch.Tensor:
-    """Sum ``x`` over the ranks of ``tp`` (a no-op at TP1); returns a tensor of ``x``'s dtype."""
+    """Sum ``x`` over the ranks of ``tp`` (a no-op at TP1); returns a new tensor of ``x``'s dtype (``x`` is
+    left as it is, whatever its dtype and layout)."""
     if tp.world_size == 1:
         return x
     import torch.distributed as dist
 
-    dtype = tp.reduce_dtype or x.dtype
-    y = x.to(dtype).contiguous() if x.dtype != dtype else x.contiguous()
+    y = torch.empty(x.shape, dtype=tp.reduce_dtype or x.dtype, device=x.device).copy_(x)
     dist.all_reduce(y, group=tp.group)
     return y.to(x.dtype)
 
@@ -123,13 +129,15 @@ def init_local_group(rank: int, world_size: int, port: int, *, backend: str = "g
     """
     import torch.distributed as dist
 
+    info = TPInfo(rank, world_size, None, reduce_dtype)  # checked before joining: a bad rank would wait
+    port = check_int("port", port, 1)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(port)
     if backend == "nccl":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
-    return TPInfo(rank, world_size, None, reduce_dtype)
+    return info
 
 
 def destroy() -> None:
