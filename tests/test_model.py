@@ -4,7 +4,7 @@ placements, CUDA-graph decode on the GPU."""
 import pytest
 import torch
 
-from qsa.layer import QSAConfig
+from qsa.layer import QSAConfig, StepMetadata
 from qsa.model import TinyConfig, TinyQSAModel
 from qsa.serving import Engine, ServingConfig, prefill_schedule
 
@@ -67,6 +67,21 @@ def test_engine_recovers_from_a_failed_generation():
     assert engine.lengths == [0, 0] and bool((engine.block_table == -1).all())
 
 
+def test_tiny_config_and_forward_check_their_arguments():
+    for kw, err, match in ((dict(vocab_size=0), ValueError, "vocab_size"),
+                           (dict(num_layers=-1), ValueError, "num_layers"),
+                           (dict(intermediate_size=-5), ValueError, "intermediate_size"),
+                           (dict(num_layers=2.0), TypeError, "num_layers"),
+                           (dict(attn="small"), TypeError, "attn")):
+        with pytest.raises(err, match=match):
+            TinyConfig(**kw)
+    model = TinyQSAModel(MICRO)
+    caches = model.allocate_caches(4, 8, 1)
+    meta = StepMetadata.build([0], [0], [1], [[0, -1]], [0], block_size=8, device="cpu", route="reference")
+    with pytest.raises(ValueError, match="caches"):
+        model(torch.zeros(1, dtype=torch.long), meta, caches[:1])
+
+
 def test_model_shapes_and_padding():
     model = TinyQSAModel(MICRO)
     assert len(model.layers) == 2 and model.layers[0].num_q_heads == 4
@@ -121,7 +136,9 @@ def test_engine_capture():
     assert cap["q"].shape == (11, 4, 16) and cap["indices"].shape == (11, MICRO.attn.index_width)
     assert cap["kv"].shape == (12, 2, 8, 2, 16) and cap["kc"].shape == (12, 2, 16)
     assert cap["positions"].tolist() == [12] + list(range(10))
-    assert cap["seq_lens"].tolist() == [13, 10] and max(lens) <= 16
+    assert cap["seq_lens"].tolist() == [13, 10]
+    # after 3 new tokens the requests hold lens tokens, which fill their 2 blocks of 8 at most
+    assert [len(p) + len(t) for p, t in zip(ps, res.tokens)] == lens and max(lens) <= 2 * 8
     with pytest.raises(ValueError, match="prompts"):
         engine.generate([[1]] * 3, 1)
 

@@ -64,16 +64,13 @@ class ProgressBar:
 def use_interpreter(module: str, argv: list[str]) -> int | None:
     """Make sure the Triton kernels run under the interpreter on a CPU.
 
-    The flag is read when a kernel is defined, so it is set in this process when no kernel module
-    has been imported yet (or was already set); otherwise ``python -m module argv`` is rerun with
-    ``TRITON_INTERPRET=1`` and its exit status returned. Returns None when this process can go on.
+    The flag is read when a kernel is defined, and importing ``qsa`` defines some (the cache write, the
+    selection), so unless ``TRITON_INTERPRET=1`` was set before, ``python -m module argv`` is rerun with
+    it and its exit status returned. Returns None when this process can go on.
     """
     from .utils import interpreter_enabled
 
     if interpreter_enabled():
-        return None
-    if not any(m.startswith("qsa.kernels.") for m in sys.modules):
-        os.environ["TRITON_INTERPRET"] = "1"
         return None
     return subprocess.call([sys.executable, "-m", module, *argv], env=dict(os.environ, TRITON_INTERPRET="1"))
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from .layer import LayerCache, QSAAttention, QSAConfig, StepMetadata, rms_norm
 from .tp import TPInfo
+from .utils import check_int
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,14 @@ class TinyConfig:
     intermediate_size: int = 0
     attn: QSAConfig = field(default_factory=QSAConfig)
     seed: int = 0
+
+    def __post_init__(self):
+        check_int("vocab_size", self.vocab_size, 1)
+        check_int("num_layers", self.num_layers, 0)
+        check_int("intermediate_size", self.intermediate_size, 0)
+        check_int("seed", self.seed)
+        if not isinstance(self.attn, QSAConfig):
+            raise TypeError(f"attn must be a QSAConfig, got {type(self.attn).__name__}")
 
     @property
     def hidden_size(self) -> int:
@@ -116,6 +125,8 @@ class TinyQSAModel(nn.Module):
         ``capture_layer``/``capture``: that layer's intermediates go into ``capture`` (see
         :meth:`qsa.layer.QSAAttention.forward`).
         """
+        if len(caches) != len(self.layers):
+            raise ValueError(f"caches must hold one LayerCache per layer ({len(self.layers)}), got {len(caches)}")
         eps = self.config.attn.rms_norm_eps
         h = F.embedding(input_ids, self.embed)
         for i, (attn, mlp) in enumerate(zip(self.layers, self.mlps)):

@@ -135,6 +135,8 @@ def cli_device(parser, text: str) -> torch.device:
         parser.error(f"--device must be auto, cpu or cuda, got {text!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {text}: no CUDA device is available")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        parser.error(f"--device {text}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return device
 
 
