@@ -522,6 +522,14 @@ def test_checker_rejects_known_wrong_outputs():
     for name, (out, out_lse) in wrong.items():
         with pytest.raises(AssertionError):
             assert_close_like_torch(out, ref, low, lse=out_lse, ref_lse=ref_lse, torch_lse=low_lse, name=name)
+    # A NaN in the PyTorch yardstick (or the reference) makes a NaN bound: that fails, it does not pass.
+    nan_low, nan_low_lse = low.clone(), low_lse.clone()
+    nan_low[0, 0, 0] = float("nan")
+    nan_low_lse[0, 0] = float("nan")
+    with pytest.raises(AssertionError, match="max abs error"):
+        assert_close_like_torch(torch.zeros_like(good), ref, nan_low)
+    with pytest.raises(AssertionError, match="lse: max abs error"):
+        assert_close_like_torch(good, ref, low, lse=lse + 1, ref_lse=ref_lse, torch_lse=nan_low_lse)
 
 
 @pytest.mark.parametrize("route", ROUTES)
