@@ -1,7 +1,8 @@
 """A/B of two versions of the library on the same workloads, the way the perf notes measure a change.
 
 Processes alternate (old, new, old, new, ...): each builds every (scenario, route) workload, checks the
-step's output against the fp32 reference, captures plan + run (``breakdown.step_fn``) in a CUDA graph
+step's output against the fp32 reference (``breakdown.checked_step_fn``: a step that fails stops the
+process before anything is timed), captures plan + run (``breakdown.step_fn``) in a CUDA graph
 and times the graphs in interleaved rounds with the L2 flushed, as ``qsa bench`` does. The last process
 of each version saves its outputs, and the report says for each pair whether the two versions' outputs
 are bitwise equal. Results go to ``--out`` as ``ab.json`` and ``ab.md``.
@@ -54,10 +55,9 @@ def worker(tag: str, pairs: list[tuple[str, str]], rounds: int, save: str | None
     import qsa
 
     from .baselines import reference_attention_fp32
-    from .breakdown import step_fn
+    from .breakdown import checked_step_fn
     from .generators import attention_workload
     from .registry import BY_NAME
-    from .run import output_errors
     from .timing import Timer
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -70,10 +70,8 @@ def worker(tag: str, pairs: list[tuple[str, str]], rounds: int, save: str | None
             w = attention_workload(scn, dev)
             workloads[name] = (w, reference_attention_fp32(w.q, *w.args, **w.cache_kwargs))
         w, ref = workloads[name]
-        fn = step_fn(scn, w, route)
-        fn()
+        fn, err = checked_step_fn(scn, w, route, ref, what=f"{tag} ")  # nothing wrong is timed
         out = fn.__closure__[fn.__code__.co_freevars.index("out")].cell_contents
-        err = output_errors(out, ref)
         # A graph replays the addresses it captured: the closure (workload, plan, out) must stay alive.
         steps[(name, route)] = dict(fn=fn, out=out, err=err, graph=timer.capture(fn) if timer.is_cuda else None)
     times = {key: [] for key in steps}

@@ -202,19 +202,26 @@ def selection_check(out: torch.Tensor, exact: torch.Tensor, scores_of, token_to_
         return res
     bad = torch.nonzero(differ).flatten()
     ok = True
-    for c0 in range(0, bad.numel(), chunk_rows):
-        sel = bad[c0:c0 + chunk_rows]
-        s = scores_of(sel)
-        picks = []
-        for toks in (out[sel], exact[sel]):
-            b = toks[:, 0:4 * k:4].long() // 4                                 # first token of each block
-            valid = (toks[:, 0:4 * k:4] >= 0) & (toks[:, 0:4 * k:4] % 4 == 0)
-            vals = torch.gather(s, 1, b.clamp(min=0, max=s.shape[1] - 1))
-            vals = torch.where(valid & (b < s.shape[1]), vals, float("-inf"))
-            picks.append(torch.sort(vals, dim=1).values)
-        same = torch.equal(picks[0], picks[1])
-        n_out = (out[sel] >= 0).sum(1)
-        n_ref = (exact[sel] >= 0).sum(1)
-        ok = ok and same and torch.equal(n_out, n_ref)
+    req = token_to_req.long()
+    for r in torch.unique(req[bad]).tolist():  # scores_of scores rows of one request
+        bad_r = bad[req[bad] == r]
+        for c0 in range(0, bad_r.numel(), chunk_rows):
+            sel = bad_r[c0:c0 + chunk_rows]
+            s = scores_of(sel)
+            picks = []
+            for toks in (out[sel], exact[sel]):
+                quads = toks[:, :4 * k].long().view(-1, k, 4)
+                b = quads[:, :, 0] // 4
+                valid = quads[:, :, 0] >= 0
+                # every entry of the block section is a whole 4-token block or four -1s
+                whole = torch.where(valid[:, :, None], quads == 4 * b[:, :, None] + torch.arange(4, device=toks.device),
+                                    quads == -1).all()
+                key = torch.where(valid, b, -1 - torch.arange(k, device=toks.device))  # no duplicate blocks
+                distinct = bool((torch.sort(key, dim=1).values.diff(dim=1) != 0).all())
+                vals = torch.gather(s, 1, b.clamp(min=0, max=s.shape[1] - 1))
+                vals = torch.where(valid & (b < s.shape[1]), vals, float("-inf"))
+                picks.append(torch.sort(vals, dim=1).values)
+                ok = ok and bool(whole) and distinct
+            ok = ok and torch.equal(picks[0], picks[1]) and torch.equal(out[sel, 4 * k:], exact[sel, 4 * k:])
     res["tie_equivalent"] = ok
     return res

@@ -67,23 +67,56 @@ def step_fn(scn, w, route: str):
     return fn
 
 
+def checked_step_fn(scn, w, route: str, ref: torch.Tensor, what: str = ""):
+    """``(step_fn(scn, w, route), its output errors)`` after one run into a NaN-filled output has passed the
+    benchmark's fixed gate against ``ref`` (the fp32 reference); RuntimeError otherwise, so that nothing
+    wrong is timed."""
+    from .generators import TORCH_DTYPES
+    from .run import gate, gate_bounds, output_errors
+
+    fn = step_fn(scn, w, route)
+    fn()
+    out = fn.__closure__[fn.__code__.co_freevars.index("out")].cell_contents
+    out.fill_(float("nan"))
+    fn()
+    err = output_errors(out, ref)
+    bounds = gate_bounds(ref, TORCH_DTYPES[scn.dtype], None)
+    if not gate(err, bounds):
+        raise RuntimeError(f"{what}{scn.name}:{route} fails its check against the fp32 reference: max abs "
+                           f"{err['max_abs_err']:.3g} (bound {bounds['bound_abs']:.3g}), rel L2 "
+                           f"{err['rel_l2_err']:.3g} (bound {bounds['bound_rel']:.3g})")
+    return fn, err
+
+
 def kernel_times(timer: Timer, fn, reps: int) -> tuple[dict, float]:
     """(median ms per step of each kernel name, median replay ms)."""
     from torch.profiler import ProfilerActivity, profile
+
+    def cuda_events(p):
+        return [ev for ev in p.events() if ev.device_type == torch.autograd.DeviceType.CUDA]
 
     fn()
     torch.cuda.synchronize()
     g = timer.capture(fn)
     wall = timer._time_replays(g).median_ms
+    # The L2 flush's kernels, profiled alone: a kernel of the same name in the step (a buffer zeroed
+    # by the plan) is far shorter than a flush of hundreds of MB, so the flush is told apart by length.
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            timer.flush_l2()
+        torch.cuda.synchronize()
+    flush = defaultdict(list)
+    for ev in cuda_events(prof):
+        flush[ev.name].append(ev.device_time_total)
+    flush_min = {name: 0.5 * min(ts) for name, ts in flush.items()}
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             timer.flush_l2()
             g.replay()
         torch.cuda.synchronize()
     per_name = defaultdict(list)
-    for ev in prof.events():
-        if ev.device_type == torch.autograd.DeviceType.CUDA and "zero" not in ev.name.lower() \
-                and "fill" not in ev.name.lower():
+    for ev in cuda_events(prof):
+        if ev.device_time_total < flush_min.get(ev.name, float("inf")):
             per_name[ev.name].append(ev.device_time_total / 1e3)
     out = {}
     for name, ts in per_name.items():

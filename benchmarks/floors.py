@@ -16,7 +16,8 @@ For each named scenario, in one process:
   it reads every valid entry, as the scenarios' rows keep them all) and ``contiguous`` (the same byte
   count and program shape, each list's rows laid out one after another in a separate buffer: no gather).
   Every probe is checked per program against an fp64 sum before it is timed.
-* the ``xqa`` and ``splitk`` routes, plan + run as the benchmark times them, and the target's time:
+* the ``xqa`` and ``splitk`` routes, plan + run as the benchmark times them (each first checked against
+  the fp32 reference under the benchmark's fixed gate), and the target's time:
   80% of the copy bandwidth on the route's bytes (decode), splitk / 1.5 (MTP).
 
 Prefill scenarios (more than 16 rows per request) measure the grouped step instead: the step, the
@@ -48,10 +49,11 @@ import triton.language as tl
 from qsa import routes
 from qsa.kernels.common import load_kv_microblocks, split_range
 
-from .breakdown import plan_args, step_fn
+from .baselines import reference_attention_fp32
+from .breakdown import checked_step_fn, plan_args
 from .generators import attention_workload, kept_entries
 from .registry import SCENARIOS
-from .run import step_bytes
+from .run import gate, gate_bounds, output_errors, step_bytes
 from .timing import Timer, TimingConfig, measure_ceilings
 
 
@@ -419,10 +421,10 @@ def run_scenario(scn, timer: Timer, ceilings: dict, *, quick: bool, split_factor
     kv_bytes = int(probe.kept.sum()) * kv_per_token
     rec = dict(scenario=scn.name, rows=scn.rows, kv_bytes=kv_bytes, route_bytes=kv_bytes + qo_bytes, probes=[])
 
-    # The routes, plan + run.
+    # The routes, plan + run, each checked first.
+    ref = reference_attention_fp32(w.q, *w.args, **w.cache_kwargs)
     for route in ("xqa", "splitk"):
-        fn = step_fn(scn, w, route)
-        fn()
+        fn, _ = checked_step_fn(scn, w, route, ref)
         rec[f"{route}_ms"] = timer.time(fn).median_ms
     if scn.name.startswith("mtp"):
         rec["target_ms"] = rec["splitk_ms"] / 1.5
@@ -482,9 +484,9 @@ def run_grouped_scenario(scn, timer: Timer, ceilings: dict, *, quick: bool) -> d
     union_bytes = probe.union_tokens() * kv_per_token
     rec = dict(scenario=scn.name, rows=scn.rows, grouped_rows=probe.plan.routes.grouped_rows,
                union_bytes=union_bytes, probes=[])
+    ref = reference_attention_fp32(w.q, *w.args, **w.cache_kwargs)
     for route in ("grouped", "splitk"):
-        fn = step_fn(scn, w, route)
-        fn()
+        fn, _ = checked_step_fn(scn, w, route, ref)
         rec[f"{route}_ms"] = timer.time(fn).median_ms
     ratio = GROUPED_TARGETS.get(scn.overlap, 3.0)
     rec["target_ms"] = rec["splitk_ms"] / ratio
@@ -500,6 +502,11 @@ def run_grouped_scenario(scn, timer: Timer, ceilings: dict, *, quick: bool) -> d
     def attention():
         run_attention(plan, w.q, w.cache.k, w.cache.v, out=out, **w.cache_kwargs)
 
+    out.fill_(float("nan"))
+    planner()
+    attention()
+    if not gate(output_errors(out, ref), gate_bounds(ref, w.q.dtype, None)):
+        raise RuntimeError(f"{scn.name}: the grouped attention after its planner fails its check")
     for name, f in (("planner", planner), ("attention", attention)):
         f()
         rec[f"{name}_ms"] = timer.time(f).median_ms

@@ -118,6 +118,8 @@ def evaluate_targets(records: list, scenarios: dict, ceilings: dict | None) -> l
                     note = "select_tokens is not exact"
         except (TypeError, ZeroDivisionError) as e:  # malformed records: report, do not crash
             value, note = None, f"could not evaluate: {e}"
+        if value is not None and not math.isfinite(value):
+            value, note = None, "not measured (the value is not finite)"
         if value is None:
             met = None
             if not note:

@@ -265,6 +265,8 @@ class Suite:
         naive_out = naive_attention(w.q, *w.args, **w.cache_kwargs)
         self._sync()
         yard = output_errors(naive_out, ref)
+        if not gate(yard, gate_bounds(ref, TORCH_DTYPES[scn.dtype], None)):
+            yard = None  # a naive result that fails its own gate sets no route's bounds
         del naive_out
         meta["setup_s"] = round(time.time() - t0, 2)
 
@@ -317,8 +319,16 @@ class Suite:
         eager = out.clone()
         t = self.timer.time(fn, graph=graph)
         self._sync()
-        fields.update(self._rates(t, flops, nbytes), replay_equal=bool(torch.equal(out, eager)))
-        return self._add(scn, route, kind, **fields)
+        return self._add(scn, route, kind, **self._timed(fields, t, bool(torch.equal(out, eager)), flops, nbytes))
+
+    def _timed(self, fields: dict, t, replay_equal: bool, flops, nbytes) -> dict:
+        """A checked record's fields with its times, or, when the timed replays' output differs from the
+        checked one (what was timed is not what was checked), failed and without times."""
+        fields = dict(fields, replay_equal=replay_equal)
+        if not replay_equal:
+            return dict(fields, passed=False,
+                        error="the timed replays' output differs from the checked output; not counted")
+        return dict(fields, **self._rates(t, flops, nbytes))
 
     @staticmethod
     def _rates(t, flops, nbytes) -> dict:
@@ -488,8 +498,7 @@ class Suite:
                 t = self.timer.time(fn, graph=graph)
                 self._sync()
                 got = buf if route == "select" else holder["out"]
-                fields.update(self._rates(t, flops, nbytes), replay_equal=bool(torch.equal(got, eager)))
-                self._add(scn, route, kind, **fields)
+                self._add(scn, route, kind, **self._timed(fields, t, bool(torch.equal(got, eager)), flops, nbytes))
             except Exception as e:
                 self._add(scn, route, "route" if route == "select" else "baseline", error=_err_text(e),
                           passed=False)
@@ -513,10 +522,12 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true",
                    help="the key targets only (prefill-64k o80/o98, decode-64, mtp-8, selection), "
                         "fewer routes and repetitions")
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results",
-                   help="directory of latest.json and the dated copies (default: benchmarks/results)")
-    p.add_argument("--docs", type=Path, default=ROOT / "docs",
-                   help="directory of benchmarks.md and benchmarks.png (default: docs)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory of latest.json and the dated copies (default: benchmarks/results on a "
+                        "GPU; on the CPU a new temporary directory, so that the GPU results stay)")
+    p.add_argument("--docs", type=Path, default=None,
+                   help="directory of benchmarks.md and benchmarks.png (default: docs on a GPU; on the CPU "
+                        "the --out directory)")
     p.add_argument("--no-plot", action="store_true", help="do not draw docs/benchmarks.png")
     p.add_argument("--no-docs", action="store_true", help="write the JSON only")
     p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
@@ -542,9 +553,21 @@ def main(argv=None) -> int:
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if torch.device(device).type == "cpu" and not os.environ.get("TRITON_INTERPRET"):
-        # Triton kernels run on the CPU only under the interpreter; set before qsa's kernels load.
-        os.environ["TRITON_INTERPRET"] = "1"
+    if torch.device(device).type == "cpu":
+        if not os.environ.get("TRITON_INTERPRET"):
+            # Triton kernels run on the CPU only under the interpreter; set before qsa's kernels load.
+            os.environ["TRITON_INTERPRET"] = "1"
+        if not args.scenario:  # the GPU-sized scenarios would take hours under the interpreter
+            scenarios = registry.select(["tiny-*"])
+            print("qsa bench on the CPU: the tiny scenarios (name others with --scenario)", file=sys.stderr)
+        if args.out is None:  # the repository's results are the GPU's
+            import tempfile
+
+            args.out = Path(tempfile.mkdtemp(prefix="qsa-bench-cpu-"))
+        if args.docs is None:
+            args.docs = args.out
+    args.out = args.out or ROOT / "benchmarks" / "results"
+    args.docs = args.docs or ROOT / "docs"
     if str(ROOT / "src") not in sys.path:
         try:
             import qsa  # noqa: F401

@@ -122,6 +122,8 @@ def main(argv=None) -> int:
     def record(name, what, setting, fn, check=None):
         err = None
         try:
+            if check is not None and hasattr(check, "poison"):
+                check.poison()  # a setting that writes nothing must not pass on the last one's output
             out = fn()
             if check is not None:
                 check(out)
@@ -174,7 +176,10 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
         with full_fp32_matmul():
             ref = chunked_attention(*args_, compute_dtype=torch.float32, **w.cache_kwargs).double()
         low = chunked_attention(*args_, compute_dtype=q.dtype, **w.cache_kwargs)
-    check = lambda out: assert_close_like_torch(out, ref, low)  # noqa: E731
+    def check(got):
+        assert_close_like_torch(got, ref, low)
+
+    check.poison = lambda: out.fill_(float("nan"))
     inputs = dict(indices=w.indices, block_table=w.block_table, token_to_req=w.token_to_req,
                   positions=w.positions, seq_lens=w.seq_lens, block_size=c.block_size,
                   num_blocks=c.num_blocks)

@@ -153,6 +153,40 @@ def test_exact_selection_matches_loop_reference():
     assert not chk["exact"] and chk["rows_differ"] == 1 and not chk["tie_equivalent"]
 
 
+def test_selection_check_up_to_ties_only():
+    """With every block scoring the same, any other choice of whole, distinct blocks with the exact tail
+    is tie-equivalent; a wrong token inside a block, a repeated block, a missing block or another tail
+    is not. Rows of different requests are scored with their own request's keys."""
+    k = 3
+
+    def row(blocks, tail):
+        toks = [4 * b + i if b >= 0 else -1 for b in blocks for i in range(4)]
+        return toks + list(tail)
+
+    exact = torch.tensor([row([0, 2, 5], [40, 41, 42]), row([1, 3, 4], [60, 61, 62])], dtype=torch.int32)
+    token_to_req = torch.tensor([0, 1], dtype=torch.int32)
+    seen = []
+
+    def scores_of(sel):
+        assert torch.unique(token_to_req[sel]).numel() == 1, "rows of two requests scored together"
+        seen.append(sel.tolist())
+        return torch.zeros((sel.numel(), 20), dtype=torch.float64)
+
+    def check(rows):
+        return selection_check(torch.tensor(rows, dtype=torch.int32), exact, scores_of, token_to_req, k=k)
+
+    tie = check([row([1, 2, 5], [40, 41, 42]), row([0, 3, 4], [60, 61, 62])])
+    assert tie == dict(exact=False, rows_differ=2, tie_equivalent=True) and sorted(seen) == [[0], [1]]
+    inside = row([0, 2, 5], [40, 41, 42])
+    inside[1] = 9
+    for name, rows in (("token inside a block", [inside, exact[1].tolist()]),
+                       ("repeated block", [row([2, 2, 5], [40, 41, 42]), exact[1].tolist()]),
+                       ("missing block", [row([0, 2, -1], [40, 41, 42]), exact[1].tolist()]),
+                       ("another tail", [exact[0].tolist(), row([1, 3, 4], [40, 40, 40])])):
+        chk = check(rows)
+        assert chk["rows_differ"] == 1 and not chk["tie_equivalent"], name
+
+
 # ------------------------------------------------------------------------------------------------
 # the correctness gate
 
@@ -205,6 +239,51 @@ def test_gate_rejects_a_wrong_route_and_reports_no_time():
         assert recs[wrong]["median_ms"] is None and recs[wrong]["tflops"] is None
         assert "correctness gate failed" in recs[wrong]["error"]
     assert recs["naive"]["passed"]
+
+
+def _offset(out):
+    return out.add_(0.02 * (torch.arange(out.numel()).view_as(out) % 3 - 1).to(out.dtype))
+
+
+def test_a_failed_yardstick_sets_no_bounds(monkeypatch):
+    """A naive result that fails its own (fixed) gate is not the yardstick: a route as wrong as it fails too."""
+    import benchmarks.baselines as bl
+
+    real = bl.naive_attention
+    monkeypatch.setattr(bl, "naive_attention", lambda *a, **kw: _offset(real(*a, **kw)))
+    suite = _tiny_suite()
+
+    def offset_route(route, scn, w, state):
+        fn, out, graph = suite._kernel_route("splitk", scn, w, state)
+        return (lambda: (fn(), _offset(out))), out, graph
+
+    suite.route_builders["offset"] = offset_route
+    scn = dataclasses.replace(registry.BY_NAME["tiny-prefill"], rows=9, routes=("splitk", "offset", "naive"))
+    suite.run(scn)
+    recs = {r["route"]: r for r in suite.records if r["scenario"] == scn.name}
+    assert recs["naive"]["passed"] is False and recs["offset"]["passed"] is False, recs["offset"]
+    assert recs["offset"]["median_ms"] is None
+    assert recs["splitk"]["passed"] and recs["splitk"]["median_ms"] is not None
+
+
+def test_a_replay_that_differs_from_the_checked_output_is_not_counted():
+    suite = _tiny_suite()
+
+    def right_once(route, scn, w, state):
+        fn, out, graph = suite._kernel_route("splitk", scn, w, state)
+        calls = []
+
+        def step():
+            fn() if not calls else out.zero_()
+            calls.append(1)
+        return step, out, graph
+
+    suite.route_builders["right-once"] = right_once
+    scn = dataclasses.replace(registry.BY_NAME["tiny-prefill"], rows=9, routes=("right-once", "naive"))
+    suite.run(scn)
+    rec = next(r for r in suite.records if r["scenario"] == scn.name and r["route"] == "right-once")
+    assert rec["replay_equal"] is False and rec["passed"] is False and rec["median_ms"] is None, rec
+    assert "differs from the checked output" in rec["error"]
 
 
 def test_failing_scenario_is_recorded_and_run_goes_on():
@@ -278,6 +357,11 @@ def test_target_evaluation_with_synthetic_numbers():
 def test_targets_not_measured_are_null():
     t = report.evaluate_targets([], {}, None)
     assert all(x["value"] is None and x["met"] is None and x["note"] for x in t)
+    # a bandwidth that is not finite (a zero copy rate measured) is not measured either
+    rec = _rec("decode-64", "xqa", 0.05, gbps=float("inf"))
+    (bw,) = [x for x in report.evaluate_targets([rec], {}, {"copy_gbps": 4000.0})
+             if x["name"] == "decode-64-xqa-bandwidth"]
+    assert bw["value"] is None and bw["met"] is None and "finite" in bw["note"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -343,6 +427,20 @@ def test_end_to_end_tiny_run(tmp_path, capsys):
                    for r in recs for v in r.values())
 
 
+def test_cpu_run_takes_the_tiny_scenarios_and_keeps_the_gpu_results(tmp_path, monkeypatch):
+    """On the CPU without --scenario only the tiny scenarios run, and without --out the results go to a
+    new temporary directory, not over the repository's GPU results."""
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    before = (run.ROOT / "benchmarks" / "results" / "latest.json").read_bytes()
+    assert run.main(["--route", "naive", "--device", "cpu", "--no-docs"]) == 0
+    (latest,) = tmp_path.glob("qsa-bench-cpu-*/latest.json")
+    names = {r["scenario"] for r in json.load(open(latest))["records"]}
+    assert names and all(n.startswith("tiny-") for n in names), names
+    assert (run.ROOT / "benchmarks" / "results" / "latest.json").read_bytes() == before
+
+
 def test_tune_smoke_checks_and_times_every_setting(tmp_path, monkeypatch):
     """benchmarks.tune under the interpreter: every planner and kernel setting is checked (planner
     settings against the default plan, kernels against the fp32 reference) and timed."""
@@ -378,6 +476,25 @@ def test_tune_splitk_only(tmp_path, monkeypatch):
     assert {r["what"] for r in records} == {"splitk-attn"}
     assert all(r["error"] is None and r["median_ms"] > 0 for r in records), records
     assert {tuple(r["setting"]) for r in records} == {tune.SPLITK[0], tune.SPLITK[2]}
+
+
+def test_tune_checks_each_setting_on_its_own_output(tmp_path, monkeypatch):
+    """A setting that writes nothing fails its check, although the setting before it left a right output
+    in the shared buffer (each check runs on a NaN-filled buffer)."""
+    from benchmarks import tune
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    real, calls = tune.attention.splitk_attention, []
+
+    def first_setting_only(*a, config, **kw):
+        calls.append(config)
+        if config == calls[0]:
+            real(*a, config=config, **kw)
+    monkeypatch.setattr(tune.attention, "splitk_attention", first_setting_only)
+    assert tune.main(["--smoke", "--splitk-only", "--only", "decode", "--out", str(tmp_path)]) == 0
+    records = json.load(open(tmp_path / "tune.json"))["records"]
+    assert [r["error"] is None for r in records] == [True, False], records
+    assert records[1]["median_ms"] is None
 
 
 def test_ncu_probe_runs_a_scenario(capsys):
@@ -621,6 +738,27 @@ def test_unsorted_routes_plan_without_the_hint():
         plans[route] = plan_attention(*args, **kw)
     assert plans["xqa"].routes.direct and plans["xqa"].single is None
     assert not plans["xqa-unsorted"].routes.direct and plans["xqa-unsorted"].single is not None
+
+
+def test_ab_refuses_to_time_a_wrong_step(monkeypatch):
+    """An A/B process checks each step (on a NaN-filled output) before it times anything."""
+    from benchmarks import ab, breakdown
+
+    real = breakdown.step_fn
+
+    def zeroing(scn, w, route):
+        fn = real(scn, w, route)
+        out = fn.__closure__[fn.__code__.co_freevars.index("out")].cell_contents
+
+        def step():
+            fn()
+            out.zero_()
+        return step
+
+    assert ab.worker("new", [("tiny-decode", "splitk")], 1, None)["pairs"]["tiny-decode:splitk"]["us"]
+    monkeypatch.setattr(breakdown, "step_fn", zeroing)
+    with pytest.raises(RuntimeError, match="tiny-decode:splitk fails its check"):
+        ab.worker("new", [("tiny-decode", "splitk")], 1, None)
 
 
 def test_ab_extracts_a_commits_source(tmp_path):
