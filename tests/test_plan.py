@@ -40,6 +40,31 @@ def test_planners_match_reference(block_size, seed):
     assert grouped.num_groups == 3 and grouped.capacity >= grouped_capacity(29, 8)
 
 
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_planners_match_reference_on_sorted_rows_past_the_length(block_size):
+    """Rows sorted as the selection emits them but holding duplicates (the position token repeated, other
+    tokens twice), and rows whose position is at, one past or well past their request's length: the
+    scan-free ascending paths and the row check must drop what the reference drops, no more, no less."""
+    case = make_attention_case(rows=21, num_reqs=4, block_size=block_size, width=29, max_seq_len=90, seed=4)
+    idx = ascending_rows(case.indices)
+    lens = case.seq_lens.tolist()
+    for r in range(case.indices.shape[0]):
+        req = int(case.token_to_req[r])
+        if not 0 <= req < len(lens):
+            continue
+        if r % 3 == 0:  # position at, one past and well past the length, with tokens up to it
+            case.positions[r] = lens[req] - 1 + (r // 3) % 3 * 4
+        pos = int(case.positions[r])
+        row = sorted(t for t in idx[r].tolist() if t >= 0)[:20]
+        row = sorted(row + row[:3] + [pos, pos] + [pos + 1])  # duplicates, the position token twice
+        idx[r] = torch.tensor((row + [-1] * 29)[:29], dtype=idx.dtype)
+    case.indices = idx
+    single, grouped = plans(case)
+    ref_single, ref_grouped = reference_plans(case)
+    assert compare_plans(single, ref_single) == []
+    assert compare_plans(grouped, ref_grouped) == []
+
+
 @pytest.mark.parametrize("group_rows,num_rows", [(3, None), (1, 5), (8, 16), (5, 13)])
 def test_group_sizes_and_partial_groups(group_rows, num_rows):
     case = make_attention_case(rows=17, num_reqs=3, block_size=16, width=20, seed=3)

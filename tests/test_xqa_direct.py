@@ -172,6 +172,29 @@ def test_row_check_verdict_matches_its_definition(defer_check):
     for r in range(10):
         assert bool((scratch[r] != -7).any()) == (not verdicts[r]), (r, idx[r], verdicts[r], scratch[r])
 
+@pytest.mark.parametrize("splits,defer_check", [(1, False), (3, False), (3, True)])
+def test_position_token_repeated_is_attended_once(splits, defer_check):
+    """Rows that repeat the token at their own position (the last one a row keeps): ``[pos, pos, ...]``,
+    ``[pos, -1, pos]``, ``[..., pos, pos]``, also past a split boundary. The row check's bound must keep
+    the position token, so that such a row fails the check and is sorted (its duplicate dropped):
+    attended twice, the LSE moves by ln 2."""
+    case = make_attention_case(rows=6, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=40,
+                               max_seq_len=120, messy=False, padding_rows=0, seed=29)
+    lens = case.seq_lens.tolist()
+    long_req = max(range(len(lens)), key=lambda q: lens[q])
+    assert lens[long_req] >= 48, lens
+    idx = torch.full((6, 40), -1, dtype=torch.int32)
+    for r in range(6):
+        case.token_to_req[r] = long_req
+        case.positions[r] = pos = lens[long_req] - 1 - 2 * r
+        below = list(range(pos - 35, pos))
+        rows = {0: [pos, pos], 1: [pos, -1, pos], 2: below[-10:] + [pos, pos], 3: below[:20] + [pos] * 3,
+                4: below[:18] + [pos, -1, pos], 5: below + [pos]}[r]
+        idx[r, :len(rows)] = torch.tensor(rows[:40], dtype=torch.int32)
+    case.indices = idx
+    check(case, run_direct(case, splits=splits, defer_check=defer_check))
+
+
 def split_boundary_case(head_dim=16):
     """6 rows of 64 kept tokens (16-token tiles: with 2 or 4 splits, splits begin at positions 16, 32, 48),
     ascending as ``select_tokens`` emits them except rows 1-3, which break the order only between
