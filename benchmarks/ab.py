@@ -70,8 +70,7 @@ def worker(tag: str, pairs: list[tuple[str, str]], rounds: int, save: str | None
             w = attention_workload(scn, dev)
             workloads[name] = (w, reference_attention_fp32(w.q, *w.args, **w.cache_kwargs))
         w, ref = workloads[name]
-        fn, err = checked_step_fn(scn, w, route, ref, what=f"{tag} ")  # nothing wrong is timed
-        out = fn.__closure__[fn.__code__.co_freevars.index("out")].cell_contents
+        fn, out, err = checked_step_fn(scn, w, route, ref, what=f"{tag} ")  # nothing wrong is timed
         # A graph replays the addresses it captured: the closure (workload, plan, out) must stay alive.
         steps[(name, route)] = dict(fn=fn, out=out, err=err, graph=timer.capture(fn) if timer.is_cuda else None)
     times = {key: [] for key in steps}

@@ -67,25 +67,29 @@ def step_fn(scn, w, route: str):
     return fn
 
 
-def checked_step_fn(scn, w, route: str, ref: torch.Tensor, what: str = ""):
-    """``(step_fn(scn, w, route), its output errors)`` after one run into a NaN-filled output has passed the
-    benchmark's fixed gate against ``ref`` (the fp32 reference); RuntimeError otherwise, so that nothing
-    wrong is timed."""
-    from .generators import TORCH_DTYPES
+def check_output(out: torch.Tensor, ref: torch.Tensor, dtype, what: str) -> dict:
+    """The output errors of ``out`` against ``ref`` (the fp32 reference), after they have passed the
+    benchmark's fixed gate for activations of ``dtype``; RuntimeError naming ``what`` otherwise."""
     from .run import gate, gate_bounds, output_errors
 
+    err = output_errors(out, ref)
+    bounds = gate_bounds(ref, dtype, None)
+    if not gate(err, bounds):
+        raise RuntimeError(f"{what} fails its check against the fp32 reference: max abs "
+                           f"{err['max_abs_err']:.3g} (bound {bounds['bound_abs']:.3g}), rel L2 "
+                           f"{err['rel_l2_err']:.3g} (bound {bounds['bound_rel']:.3g})")
+    return err
+
+
+def checked_step_fn(scn, w, route: str, ref: torch.Tensor, what: str = ""):
+    """``(step_fn(scn, w, route), its output buffer, its output errors)`` after one run into a NaN-filled
+    output has passed :func:`check_output`, so that nothing wrong is timed."""
     fn = step_fn(scn, w, route)
     fn()
     out = fn.__closure__[fn.__code__.co_freevars.index("out")].cell_contents
     out.fill_(float("nan"))
     fn()
-    err = output_errors(out, ref)
-    bounds = gate_bounds(ref, TORCH_DTYPES[scn.dtype], None)
-    if not gate(err, bounds):
-        raise RuntimeError(f"{what}{scn.name}:{route} fails its check against the fp32 reference: max abs "
-                           f"{err['max_abs_err']:.3g} (bound {bounds['bound_abs']:.3g}), rel L2 "
-                           f"{err['rel_l2_err']:.3g} (bound {bounds['bound_rel']:.3g})")
-    return fn, err
+    return fn, out, check_output(out, ref, w.q.dtype, f"{what}{scn.name}:{route}")
 
 
 def kernel_times(timer: Timer, fn, reps: int) -> tuple[dict, float]:

@@ -165,8 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     device = cli_device(p, args.device)
     physical_cpu = args.plan_order == "physical" and device.type == "cpu"
     # On the CPU the Triton routes run under the interpreter (auto resolves to the reference route there).
-    if device.type == "cpu" and (physical_cpu or args.route not in ("auto", "reference")) \
-            and args.route != "reference":
+    if device.type == "cpu" and args.route != "reference" and (physical_cpu or args.route != "auto"):
         status = use_interpreter("qsa.demo", argv)
         if status is not None:
             return status
