@@ -486,3 +486,23 @@ def test_ascending_rows_in_one_step(emit_tokens):
             assert compare_plans(plan, ref) == [], (chunk, hint)
     shuffled = case.with_permuted_indices(torch.Generator().manual_seed(13)).plan_inputs()
     assert compare_plans(plan_single_rows(**shuffled, chunk=64), ref) == []
+
+
+@pytest.mark.parametrize("ascending_steps", [False, True])
+@pytest.mark.parametrize("width", [4, 40])
+def test_row_planner_keeps_tokens_in_the_last_int32_microblock(ascending_steps, width):
+    """Tokens 2**31-4 .. 2**31-2 share a microblock with INT32_MAX, the key a dropped entry sorts as: an
+    unsorted row holding one of them and a dropped entry must still emit its microblock (in one step of
+    the row planner, and at width 40 over steps of 16 indices)."""
+    top = 2**31 - 2
+    rows = [[top, 5], [top, top], [5, top, -1], [top - 2, top, 2], [top - 1, -1, top - 3, 9], [top, 2**31 - 1]]
+    indices = torch.tensor([r + [-1] * (width - len(r)) for r in rows], dtype=torch.int32)
+    n = len(rows)
+    inputs = dict(indices=indices, block_table=torch.zeros(1, 2048, dtype=torch.int32),
+                  token_to_req=torch.zeros(n, dtype=torch.int32),
+                  positions=torch.full((n,), top, dtype=torch.int64),
+                  seq_lens=torch.tensor([2**31 - 1], dtype=torch.int32), block_size=1 << 20, num_blocks=1)
+    single = plan_single_rows(**inputs, ascending_steps=ascending_steps, chunk=16 if width > 16 else None)
+    ref = reference_single_row_plan(**inputs)
+    assert ref.counts.tolist() == [2, 1, 2, 2, 3, 1]
+    assert compare_plans(single, ref) == []

@@ -70,7 +70,9 @@ def _emit_sorted_chunk(
     b_next = tl.where(o_c == CH - 1, next_key, b_next)
     m_valid = b_key != INT32_MAX
     b_unit = b_key >> UNIT_SHIFT
-    m_emit = m_valid & (b_unit != (b_next >> UNIT_SHIFT))
+    # A dropped entry's key INT32_MAX shares its microblock with tokens 2**31-4 .. 2**31-2: a unit ends
+    # where the next key is dropped, whatever its unit.
+    m_emit = m_valid & ((b_next == INT32_MAX) | (b_unit != (b_next >> UNIT_SHIFT)))
     b_slot = count + tl.cumsum(m_emit.to(tl.int32), 0) - 1
     if EMIT_TOKENS:
         tl.store(p_ids + b_slot, b_key, mask=m_emit)
