@@ -64,6 +64,13 @@ def test_default_config_is_the_reference_shape():
         QSAConfig(num_heads=5, num_kv_heads=2)
     with pytest.raises(ValueError, match="rotary_dim"):
         QSAConfig(rotary_dim=7)
+    for kw, match in (({"head_dim": 80, "rotary_dim": 16}, "head_dim must be one of"),
+                      ({"index_head_dim": 96}, "index_head_dim must be a power of two"),
+                      ({"index_head_dim": 8, "index_rotary_dim": 8}, "index_head_dim must be a power of two"),
+                      ({"index_topk": 4096}, "index_topk must be in")):
+        with pytest.raises(ValueError, match=match):
+            QSAConfig(**kw)
+    QSAConfig(head_dim=128, index_head_dim=64, index_topk=2048)  # the limits themselves are accepted
 
 
 @pytest.mark.parametrize("tp,want", [(1, [(0, 24, 0, 2)]),
