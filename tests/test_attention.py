@@ -2,6 +2,7 @@
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -493,6 +494,48 @@ def test_bad_inputs_name_the_argument():
     for name in ("num_blocks", "block_size"):
         with pytest.raises(TypeError, match=name):
             qsa.plan_attention(*plan_args, **{**shape, name: True})
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        call(return_lse="yes")
+    with pytest.raises(ValueError, match=r"k_cache block_size \(dim 1\) must be a positive multiple of 4"):
+        empty = torch.zeros(c.num_blocks, 0, 1, 16, dtype=torch.float16)
+        qsa.sparse_paged_attention(case.q, empty, empty, *args[3:], route="xqa")
+    # FP8 caches are written as x / scale: every route refuses a scale <= 0, naming it.
+    fp8 = make_attention_case(rows=4, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=8,
+                              kv_cache_dtype="fp8_e4m3", seed=11)
+    for route in ("xqa", "splitk", "reference"):
+        for name in ("k_scale", "v_scale"):
+            for bad in (0.0, -0.5):
+                with pytest.raises(ValueError, match=f"{name} must be > 0 for an FP8 cache"):
+                    fp8.run(qsa.sparse_paged_attention, route=route, **{name: bad})
+
+
+def test_plan_out_is_refilled_in_place():
+    """``plan_attention(..., out=p)`` returns ``p`` itself, holding the new routes, inputs and work lists:
+    running the plan held before the call computes the new batch, on every route (the old batch reads
+    other pages through another table); a reused plan must have the same shapes (its launches size their
+    splits by its buffers)."""
+    new = make_attention_case(rows=4, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=8, seed=11)
+    old = new.relocated(random_mapping(new.cache.num_blocks, generator=torch.Generator().manual_seed(3)))
+    shape = dict(block_size=new.cache.block_size, num_blocks=new.cache.num_blocks, num_q_heads=2,
+                 num_kv_heads=1, head_dim=16)
+
+    def plan(case, **kw):
+        return qsa.plan_attention(case.indices, case.block_table, case.token_to_req, case.positions,
+                                  case.seq_lens, **shape, **kw)
+
+    for route, rows_sorted in (("grouped", False), ("xqa", False), ("xqa", True), ("splitk", False)):
+        held = plan(old, route=route, rows_sorted=rows_sorted)
+        assert plan(new, route=route, rows_sorted=rows_sorted, out=held) is held
+        assert held.inputs[1] is new.block_table
+        a = qsa.run_attention(held, new.q, new.cache.k, new.cache.v, return_lse=True)
+        b = qsa.run_attention(plan(new, route=route, rows_sorted=rows_sorted), new.q, new.cache.k, new.cache.v,
+                              return_lse=True)
+        _assert_bitwise(a, b, f"{route} (rows_sorted={rows_sorted}): the refilled plan vs a fresh one")
+    wider = dataclasses.replace(new, indices=torch.cat([new.indices] * 5, dim=1))
+    for route in ("grouped", "xqa"):
+        big = plan(wider, route=route)
+        with pytest.raises(ValueError, match="a plan of the same shapes"):
+            plan(new, route=route, out=big)
 
 
 # Known-wrong kernels: the comparison used above must reject each of them.
@@ -561,9 +604,10 @@ def test_auto_sends_a_decode_batch_to_xqa():
     nan = torch.full_like(case.q, float("nan"))
     auto = case.run(qsa.sparse_paged_attention, route="auto", max_query_len=1, out=nan, return_lse=True)
     _assert_bitwise(auto, _run(case, "xqa"), "auto with max_query_len=1 vs xqa")
-    for bad in (0, 1.0, True):
-        with pytest.raises(ValueError, match="max_query_len"):
+    for bad, error in ((0, ValueError), (1.0, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="max_query_len"):
             qsa.plan_attention(*args, **kw, max_query_len=bad)
+    assert qsa.plan_attention(*args, **kw, max_query_len=np.int64(1)).routes.route == "xqa"
     mql = qsa.routes.max_query_len_of
     assert (mql([3, 1, -1, 2]), mql(torch.tensor([0, 0, 5, -1, 0])), mql([-1, -1]), mql([])) == (1, 3, None, None)
     from qsa.layer import StepMetadata
@@ -573,6 +617,30 @@ def test_auto_sends_a_decode_batch_to_xqa():
     meta = StepMetadata.build(torch.tensor([0, 0, 1]), [4, 5, 7], [8, 8], [[0], [1]], [-1] * 3,
                               block_size=16, device="cpu")
     assert meta.max_query_len == 2
+
+
+def test_route_admission():
+    """A forced route that cannot take a shape raises, naming why; ``auto`` falls back: to splitk past the
+    page4 routes' heads per tile, to the reference for a head dim no Triton kernel takes."""
+    r = qsa.routes
+    kw = dict(rows=4, device=torch.device("cpu"))
+    assert r.choose("auto", G=2, head_dim=24, **kw).route == "reference"
+    for route in ("grouped", "xqa", "splitk"):
+        with pytest.raises(ValueError, match="head_dim must be one of"):
+            r.choose(route, G=2, head_dim=24, **kw)
+    wide_g = 2 * r.MAX_TILE_ROWS
+    assert r.choose("auto", G=wide_g, head_dim=16, **kw).route == "splitk"
+    assert r.choose("splitk", G=wide_g, head_dim=16, **kw).route == "splitk"
+    for route in ("grouped", "xqa"):
+        with pytest.raises(ValueError, match="heads per tile"):
+            r.choose(route, G=wide_g, head_dim=16, **kw)
+    # The fallback runs: q of head dim 24 through auto equals the reference route.
+    case = make_attention_case(rows=4, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=8, seed=3)
+    q = torch.randn(4, 2, 24, generator=torch.Generator().manual_seed(1)).half()
+    k = torch.randn(case.cache.num_blocks, case.cache.block_size, 1, 24).half()
+    args = (q, k, k.clone(), case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens)
+    _assert_bitwise(qsa.sparse_paged_attention(*args, route="auto", return_lse=True),
+                    qsa.sparse_paged_attention(*args, route="reference", return_lse=True), "auto at head_dim 24")
 
 
 def test_dependent_launch_only_where_supported(monkeypatch):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -66,7 +66,9 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
         block_size, num_blocks: the KV cache geometry.
         num_q_heads, num_kv_heads, head_dim: the attention shape (for admission).
         route: "auto", "grouped", "xqa", "splitk" or "reference".
-        out: a previous plan of the same shapes whose buffers are refilled (CUDA-graph capture).
+        out: a previous plan of the same shapes, refilled in place and returned (CUDA-graph capture): its
+            buffers, routes and inputs all become this call's, so running ``out`` or the returned plan
+            is the same.
         workspace: grouped-planner scratch to reuse (:meth:`qsa.plan.PlanWorkspace.for_plan`).
         order: "logical" (the contract). "physical" sorts grouped entries by physical id, which makes
             outputs depend on page placement: a demonstration of why the order is logical.
@@ -115,9 +117,14 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
                                      block_size=block_size, num_blocks=num_blocks,
                                      out=(out.tokens, out.token_counts) if out is not None and out.tokens is not None
                                      else None)
-    return AttentionPlan(choice, single, grouped, tokens, counts,
+    plan = AttentionPlan(choice, single, grouped, tokens, counts,
                          (indices, block_table, token_to_req, positions, seq_lens), block_size, num_blocks,
                          num_q_heads, num_kv_heads, head_dim)
+    if out is None:
+        return plan
+    for f in fields(AttentionPlan):  # a caller holding ``out`` runs what was just planned
+        setattr(out, f.name, getattr(plan, f.name))
+    return out
 
 
 def _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype):
@@ -139,8 +146,8 @@ def _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype):
     if tuple(k_cache.shape) != tuple(v_cache.shape):
         raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
     num_blocks, block_size, hkv, _ = k_cache.shape
-    if block_size % 4:
-        raise ValueError(f"k_cache block_size (dim 1) must be a multiple of 4, got {block_size}")
+    if block_size == 0 or block_size % 4:
+        raise ValueError(f"k_cache block_size (dim 1) must be a positive multiple of 4, got {block_size}")
     if hkv == 0 or hq % hkv:
         raise ValueError(f"q heads ({hq}) must be a multiple of k_cache KV heads ({hkv}): Hq % Hkv == 0")
     if q.stride(2) != 1:
@@ -172,6 +179,12 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
         raise ValueError(f"the plan was made on {plan.inputs[0].device}, q is on {q.device}")
     k_scale = as_finite_float("k_scale", k_scale)
     v_scale = as_finite_float("v_scale", v_scale)
+    if kv_cache_dtype == "fp8_e4m3":  # written as x / scale (SPEC section 3): a scale must be > 0
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 for an FP8 cache, got {value}")
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
     scale = d ** -0.5 if softmax_scale is None else as_finite_float("softmax_scale", softmax_scale)
     kv_fp8 = kv_cache_dtype == "fp8_e4m3"
     if kv_fp8:

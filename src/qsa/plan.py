@@ -343,8 +343,10 @@ def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *,
             masks=torch.empty((rows, cap), dtype=torch.uint8, device=indices.device),
             counts=torch.empty((rows,), dtype=torch.int32, device=indices.device),
             block_size=block_size, num_blocks=num_blocks)
-    elif out.num_rows != rows or out.capacity < cap:
-        raise ValueError(f"out must hold [{rows}, >= {cap}] entries, got {tuple(out.mb_ids.shape)}")
+    elif out.num_rows != rows or out.capacity != cap:
+        # Exactly: the launches size their splits by the capacity, so a wider buffer could change bits.
+        raise ValueError(f"out must hold [{rows}, {cap}] entries (a plan of the same shapes), "
+                         f"got {tuple(out.mb_ids.shape)}")
     out.block_size, out.num_blocks = block_size, num_blocks
     _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
                out.mb_ids, out.masks, out.counts, emit_tokens=False, row_start=row_start, chunk=chunk,
@@ -391,8 +393,10 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
             masks=torch.empty((num_groups, cap_g), dtype=torch.int32, device=device),
             counts=torch.empty((num_groups,), dtype=torch.int32, device=device),
             group_rows=group_rows, num_rows=num_rows, block_size=block_size, num_blocks=num_blocks)
-    elif out.num_groups != num_groups or out.capacity < cap_g:
-        raise ValueError(f"out must hold [{num_groups}, >= {cap_g}] entries, got {tuple(out.mb_ids.shape)}")
+    elif out.num_groups != num_groups or out.capacity != cap_g:
+        # Exactly: the launches size their splits by the capacity, so a wider buffer could change bits.
+        raise ValueError(f"out must hold [{num_groups}, {cap_g}] entries (a plan of the same shapes), "
+                         f"got {tuple(out.mb_ids.shape)}")
     out.group_rows, out.num_rows = group_rows, num_rows
     out.block_size, out.num_blocks = block_size, num_blocks
     if num_groups == 0:

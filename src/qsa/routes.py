@@ -10,7 +10,8 @@ Routes:
 ``auto`` sends ``rows // GROUP_ROWS * GROUP_ROWS`` rows to ``grouped`` when there are at least
 ``GROUPED_MIN_ROWS`` rows, the shape is supported and the batch is not known to be pure decode (one row
 per request), the remaining rows to ``xqa``, and falls back to ``splitk`` for shapes the page4 routes
-do not take. The reason a route is refused is logged once.
+do not take (to ``reference`` for head dims no Triton kernel takes). The reason a route is refused is
+logged once.
 
 xqa rows run one of two kernels: with a single-row plan built by its own launch, or, when the caller
 says the rows are sorted (``rows_sorted``: ascending kept tokens, dropped entries last, as
@@ -29,7 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .utils import device_facts, interpreter_enabled, next_pow2
+from .utils import check_int, device_facts, interpreter_enabled, next_pow2
 
 logger = logging.getLogger("qsa")
 
@@ -386,9 +387,8 @@ def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device
 
     A forced route that cannot run raises ValueError; ``auto`` falls back and logs why once.
     """
-    if max_query_len is not None and (isinstance(max_query_len, bool) or not isinstance(max_query_len, int)
-                                      or max_query_len < 1):
-        raise ValueError(f"max_query_len must be None or an int >= 1, got {max_query_len!r}")
+    if max_query_len is not None:
+        max_query_len = check_int("max_query_len", max_query_len, 1)
     if not isinstance(rows_sorted, bool):
         raise TypeError(f"rows_sorted must be a bool, got {type(rows_sorted).__name__}")
     if route not in ROUTES:
@@ -402,7 +402,10 @@ def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device
         log_once(f"qsa: using the reference route: {no_triton}")
         return RoutePlan("reference", 0)
     if head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {HEAD_DIMS} for the Triton routes, got {head_dim}")
+        if route != "auto":
+            raise ValueError(f"head_dim must be one of {HEAD_DIMS} for the Triton routes, got {head_dim}")
+        log_once(f"qsa: no Triton route takes head_dim {head_dim} (one of {HEAD_DIMS}); using the reference route")
+        return RoutePlan("reference", 0)
     refusal = page4_refusal(G, head_dim)
     if route == "splitk":
         return RoutePlan("splitk", 0)
