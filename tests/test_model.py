@@ -41,11 +41,15 @@ def test_serving_config_and_schedule_refuse_nonsense():
     for kw, match in ((dict(chunk_size=0), "chunk_size"), (dict(chunk_size=-4), "chunk_size"),
                       (dict(num_blocks=-3), "num_blocks"), (dict(max_reqs=0), "max_reqs"),
                       (dict(block_size=6), "block_size"), (dict(route="bogus"), "route"),
-                      (dict(backend="cuda"), "backend"), (dict(plan_order="any"), "plan_order")):
+                      (dict(backend="cuda"), "backend"), (dict(plan_order="any"), "plan_order"),
+                      (dict(cuda_graph=True, route="reference"), "cuda_graph needs the Triton"),
+                      (dict(cuda_graph=True, backend="torch"), "cuda_graph needs the Triton")):
         with pytest.raises(ValueError, match=match):
             ServingConfig(**{"num_blocks": 8, **kw})
     with pytest.raises(ValueError, match="chunk_size"):
         prefill_schedule([5], 0)
+    with pytest.raises(TypeError, match="cuda_graph must be a bool"):
+        ServingConfig(num_blocks=8, cuda_graph=1)
 
 
 def test_engine_recovers_from_a_failed_generation():

@@ -194,7 +194,8 @@ def _demo(args, device: torch.device, physical_cpu: bool) -> int:
     max_len = max(lens) + args.new_tokens
     max_blocks = -(-max_len // args.block_size)
     num_blocks = sum(-(-(n + args.new_tokens) // args.block_size) for n in lens) + 16
-    graph = device.type == "cuda" and not args.no_cuda_graph
+    # The reference route reads values on the host: no graph captures it.
+    graph = device.type == "cuda" and not args.no_cuda_graph and args.route != "reference"
     resolved = routes.choose(args.route, rows=args.chunk, G=a.num_heads // a.num_kv_heads, head_dim=a.head_dim,
                              device=device).route
     print(f"qsa demo: tiny QSA model on {device}: {args.layers} layer{'s' * (args.layers != 1)}, hidden {a.hidden_size}, "

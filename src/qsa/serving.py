@@ -65,6 +65,12 @@ class ServingConfig:
             raise ValueError(f"plan_order must be 'logical' or 'physical', got {self.plan_order!r}")
         if self.backend is not None and self.backend not in routes.BACKENDS:
             raise ValueError(f"backend must be one of {routes.BACKENDS} or None, got {self.backend!r}")
+        if not isinstance(self.cuda_graph, bool):
+            raise TypeError(f"cuda_graph must be a bool, got {type(self.cuda_graph).__name__}")
+        if self.cuda_graph and (self.route == "reference" or self.backend == "torch"):
+            # The PyTorch reference and the torch selection read values on the host: no graph captures them.
+            raise ValueError("cuda_graph needs the Triton routes and backend, got "
+                             f"route={self.route!r}, backend={self.backend!r}")
 
 
 @dataclass
