@@ -398,6 +398,68 @@ def test_select_tokens_matches_baseline(device):
     assert torch.equal(got.cpu(), ix.torch_select_baseline(*args, k=5).cpu())
 
 
+def test_padded_heads_keep_an_infinite_score(device):
+    """H = 3 is padded to 4 heads in the score tile: the zero padding head must not turn an infinite
+    compressed key into NaN (0 * inf) in the head sum."""
+    q = torch.zeros(1, 3, 16)
+    q[0, :, 0] = 1.0
+    kc = torch.zeros(1, 2, 16)
+    kc[0, 0, 0] = INF
+    kc[0, 1, 0] = 1.0
+    args = (q.to(device), kc.to(device), torch.tensor([[0]], dtype=torch.int32, device=device),
+            torch.tensor([0], device=device), torch.tensor([7], device=device), torch.tensor([8], device=device))
+    scores = ix.block_scores(*args)
+    assert scores[0, 0].item() == INF
+    assert torch.equal(scores.cpu(), ref.block_scores_reference(*args).cpu())
+    want = ref.select_tokens_reference(*args, k=1).cpu()
+    assert want[0, :4].tolist() == [0, 1, 2, 3]
+    assert torch.equal(ix.select_tokens(*args, k=1).cpu(), want)
+    assert torch.equal(ix.select_tokens(*args, k=1, backend="torch").cpu(), want)
+
+
+def test_no_request_selects_nothing(device):
+    """num_reqs = 0: every row is a padding row, for the kernels and the references alike."""
+    q = torch.ones(2, 3, 16, device=device)
+    kc = torch.ones(2, 2, 16, device=device)
+    bt = torch.zeros(0, 3, dtype=torch.int32, device=device)
+    req, pos = torch.tensor([0, 1], device=device), torch.tensor([9, 5], device=device)
+    seq = torch.zeros(0, dtype=torch.int32, device=device)
+    args = (q, kc, bt, req, pos, seq)
+    got = ix.select_tokens(*args, k=2)
+    assert bool((got == -1).all()) and got.shape == (2, 11)
+    assert torch.equal(ref.select_tokens_reference(*args, k=2), got)
+    assert torch.equal(ix.select_tokens(*args, k=2, backend="torch"), got)
+    cand = ref.candidate_mask_reference(kc, bt, req, pos, seq)
+    assert cand.shape == (2, 6) and not bool(cand.any())
+    assert ref.visible_blocks_reference(req, pos, seq).tolist() == [0, 0]
+    assert torch.equal(ref.expand_tokens_reference(torch.tensor([[0, 1], [-1, -1]], device=device), req, pos, seq), got)
+    assert torch.equal(ref.block_scores_reference(*args), ix.block_scores(*args))
+
+
+def test_torch_select_baseline_edges(device):
+    args = _stage_inputs(torch.float32, device=device, integer=False, seed=7)
+    n_cols = args[2].shape[1] * args[1].shape[1]
+    with pytest.raises(ValueError, match=rf"k must be <= n_cols .*{n_cols}"):
+        ix.torch_select_baseline(*args, k=n_cols + 1)
+    q, kc, bt, req, pos, seq = args
+    # no physical block (every table entry invalid) and no request: only causal tails, or nothing
+    no_blocks = (q, kc[:0], bt, req, pos, seq)
+    assert torch.equal(ix.torch_select_baseline(*no_blocks, k=3).cpu(), ix.select_tokens(*no_blocks, k=3).cpu())
+    no_reqs = (q, kc, bt[:0], req, pos, seq[:0])
+    got = ix.torch_select_baseline(*no_reqs, k=3)
+    assert got.shape == (q.shape[0], 15) and bool((got == -1).all())
+
+
+def test_k_may_be_a_numpy_integer(device):
+    np = pytest.importorskip("numpy")
+    s = special_scores(3, 10, seed=4)
+    vis = torch.tensor([10, 4, 0])
+    want = ix.topk_blocks(s.to(device), vis.to(device), 3)
+    assert torch.equal(ix.topk_blocks(s.to(device), vis.to(device), np.int64(3)), want)
+    with pytest.raises(TypeError, match="k must be an int"):
+        ix.topk_blocks(s.to(device), vis.to(device), True)
+
+
 # compressed-key feeding
 
 
@@ -461,6 +523,40 @@ def test_compressed_keys_invalid_table_entry_skipped(device):
                               torch.arange(12, device=device), kc, bt, partial)
     assert torch.equal(kc[2, 0].cpu(), ref.compressed_keys_reference(raw.cpu())[0])
     assert (kc[[0, 1, 3]] == 5.0).all()
+
+
+def test_compressed_keys_reference_short_sequences():
+    """Fewer than 4 tokens close no group: an empty [0, D] result, not an error."""
+    x = torch.arange(5 * 16, dtype=torch.float32).reshape(5, 16)
+    for length in (0, 1, 3):
+        kc = ref.compressed_keys_reference(x[:length])
+        assert kc.shape == (0, 16) and kc.dtype == torch.float32
+    assert torch.equal(ref.compressed_keys_reference(x), x[:4].mean(0, keepdim=True))
+
+
+def test_compressed_key_feeding_refuses_a_zero_width(device):
+    req, pos = torch.zeros(4, dtype=torch.int64, device=device), torch.arange(4, device=device)
+    bt = torch.zeros(1, 1, dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="raw_k width D must be a power of two >= 1"):
+        ix.update_compressed_keys(torch.zeros(4, 0, device=device), req, pos,
+                                  torch.zeros(2, 4, 0, device=device), bt, torch.zeros(1, 3, 0, device=device))
+
+
+@pytest.mark.parametrize("change,exc,match", [
+    (dict(dim=0), ValueError, "dim must be a power of two >= 16"),
+    (dict(dim=8), ValueError, "dim must be a power of two >= 16"),
+    (dict(dim=48), ValueError, "dim must be a power of two >= 16"),
+    (dict(dim=16.0), TypeError, "dim must be an int"),
+    (dict(num_blocks=-1), ValueError, "num_blocks must be an int >= 0"),
+    (dict(num_blocks=2.0), TypeError, "num_blocks must be an int"),
+    (dict(num_reqs=-1), ValueError, "num_reqs must be an int >= 0"),
+])
+def test_compressed_key_cache_checks_its_geometry(change, exc, match):
+    kw = dict(num_blocks=2, block_size=8, num_reqs=1, dim=16, dtype=torch.float32, device="cpu")
+    ix.CompressedKeyCache(**kw)
+    kw.update(change)
+    with pytest.raises(exc, match=match):
+        ix.CompressedKeyCache(**kw)
 
 
 # argument checks

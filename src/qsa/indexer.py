@@ -27,8 +27,8 @@ from . import routes
 from .indexer_reference import GROUP
 from .kernels.indexer import block_scores_kernel, clear_invalid_pages_kernel, store_compressed_kernel
 from .kernels.topk import topk_kernel
-from .utils import (INT32_MAX, check_tensor, device_facts, dot_in_fp32, interpreter_enabled, next_pow2, overlaps_itself,
-                    round_up)
+from .utils import (INT32_MAX, check_int, check_tensor, device_facts, dot_in_fp32, interpreter_enabled, next_pow2,
+                    overlaps_itself, round_up)
 
 MAX_K = 2048
 """Largest ``k`` accepted (blocks per row)."""
@@ -68,8 +68,7 @@ def _check_same_device(ref_name: str, ref: torch.Tensor, **tensors) -> None:
 
 
 def _check_k(k) -> int:
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"k must be an int, got {type(k).__name__}")
+    k = check_int("k", k)
     if not 1 <= k <= MAX_K:
         raise ValueError(f"k must be in [1, {MAX_K}], got {k}")
     return k
@@ -450,8 +449,8 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
         raise ValueError(f"kc_cache must have block_size // 4 >= 1 rows per block, got {tuple(kc_cache.shape)}")
     if kc_cache.stride(2) != 1:
         raise ValueError("kc_cache must have a contiguous last dimension")
-    if D & (D - 1):
-        raise ValueError(f"raw_k width D must be a power of two, got {D}")
+    if D < 1 or D & (D - 1):
+        raise ValueError(f"raw_k width D must be a power of two >= 1, got {D}")
     _check_same_device("raw_k", raw_k, token_to_req=token_to_req, positions=positions,
                        kc_cache=kc_cache, block_table=block_table, partial=partial)
     backend = routes.resolve_backend(backend, raw_k.device)
@@ -525,7 +524,7 @@ class CompressedKeyCache:
         num_blocks, block_size: the main KV cache's physical blocks and tokens per block
             (``block_size % 4 == 0``); the compressed cache has ``block_size // 4`` rows per block.
         num_reqs: request slots (rows of the block table).
-        dim: key width D (128 in QSA). dtype, device: of ``kc_cache``.
+        dim: key width D, a power of two >= 16 (128 in QSA). dtype, device: of ``kc_cache``.
         transform: see :func:`update_compressed_keys`.
 
     Attributes:
@@ -535,8 +534,15 @@ class CompressedKeyCache:
 
     def __init__(self, num_blocks: int, block_size: int, num_reqs: int, *, dim: int = 128,
                  dtype=torch.bfloat16, device="cuda", transform=None):
+        num_blocks = check_int("num_blocks", num_blocks, 0)
+        block_size = check_int("block_size", block_size)
+        num_reqs = check_int("num_reqs", num_reqs, 0)
+        dim = check_int("dim", dim)
         if block_size <= 0 or block_size % GROUP:
             raise ValueError(f"block_size must be a positive multiple of 4, got {block_size}")
+        if dim < 16 or dim & (dim - 1):
+            raise ValueError(f"dim must be a power of two >= 16 (the index key widths the kernels take), "
+                             f"got {dim}")
         self.kc_cache = torch.zeros(num_blocks, block_size // GROUP, dim, dtype=dtype, device=device)
         self.partial = torch.zeros(num_reqs, GROUP - 1, dim, dtype=torch.float32, device=device)
         self.transform = transform
@@ -556,16 +562,24 @@ def torch_select_baseline(index_q, kc_cache, block_table, token_to_req, position
 
     Same output layout as :func:`select_tokens`; equal to it except where ``torch.topk`` breaks ties
     differently (its tie order is unspecified) or NaN scores occur. Synchronises with the host (one
-    matmul per request present). Needs ``n_cols >= k``.
+    matmul per request present). Needs ``1 <= k <= n_cols = max_blocks * (block_size // 4)``.
     """
     rows, H, D = index_q.shape
     num_reqs, max_blocks = block_table.shape
-    rpb = kc_cache.shape[1]
+    num_blocks, rpb = kc_cache.shape[:2]
     n = max_blocks * rpb
     dev = index_q.device
+    k = check_int("k", k, 1)
+    if k > n:
+        raise ValueError(f"k must be <= n_cols = max_blocks * (block_size // 4) = {n} (torch.topk), got {k}")
+    if num_reqs == 0:  # every row is a padding row
+        return torch.full((rows, 4 * k + 3), -1, dtype=torch.int32, device=dev)
     pages = block_table.long()
-    page_ok = (pages >= 0) & (pages < kc_cache.shape[0])
-    kc_dense = kc_cache[pages.clamp(0, kc_cache.shape[0] - 1)].reshape(num_reqs, n, D)
+    page_ok = (pages >= 0) & (pages < num_blocks)
+    if num_blocks == 0:  # no valid page, no candidate: only the causal tails remain
+        kc_dense = torch.zeros(num_reqs, n, D, dtype=kc_cache.dtype, device=dev)
+    else:
+        kc_dense = kc_cache[pages.clamp(0, num_blocks - 1)].reshape(num_reqs, n, D)
     block_ok = page_ok.repeat_interleave(rpb, dim=1)                              # [num_reqs, n]
     req = token_to_req.long()
     pos = positions.long().clamp(max=INT32_MAX)  # past it, the same tokens; no overflow of pos + 1

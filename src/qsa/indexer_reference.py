@@ -16,6 +16,8 @@ GROUP = 4
 
 def visible_blocks_reference(token_to_req, positions, seq_lens):
     """``[rows]`` int64: ``min((pos + 1) // 4, seq_len // 4)``; 0 for padding rows."""
+    if seq_lens.shape[0] == 0:  # no request: every row is a padding row
+        return torch.zeros(token_to_req.shape[0], dtype=torch.int64, device=token_to_req.device)
     req = token_to_req.long()
     pos = positions.long().clamp(max=INT32_MAX)  # past it, the same tokens; no overflow of pos + 1
     ok = (req >= 0) & (req < seq_lens.shape[0]) & (pos >= 0)
@@ -34,8 +36,9 @@ def compressed_keys_reference(raw_k, transform=None):
     Returns:
         ``[L // 4, D]`` fp32, ``kc[b] = (((k[4b] + k[4b+1]) + k[4b+2]) + k[4b+3]) * 0.25`` in fp32.
     """
-    g = raw_k.shape[0] // GROUP
-    x = raw_k[: g * GROUP].float().reshape(g, GROUP, -1)
+    L, D = raw_k.shape
+    g = L // GROUP
+    x = raw_k[: g * GROUP].float().reshape(g, GROUP, D)
     kc = (((x[:, 0] + x[:, 1]) + x[:, 2]) + x[:, 3]) * 0.25
     if transform is not None:
         kc = transform(kc, torch.arange(g, dtype=torch.int64, device=raw_k.device)).float()
@@ -56,8 +59,10 @@ def gather_compressed_keys(kc_cache, block_table, req: int):
 
 def candidate_mask_reference(kc_cache, block_table, token_to_req, positions, seq_lens):
     """``[rows, n_cols]`` bool: block ``b`` is a candidate of row ``r`` (``b < visible(r)`` and a valid
-    block-table entry)."""
+    block-table entry); all False when there is no request."""
     n_cols = block_table.shape[1] * kc_cache.shape[1]
+    if block_table.shape[0] == 0:  # every row is a padding row
+        return torch.zeros(token_to_req.shape[0], n_cols, dtype=torch.bool, device=token_to_req.device)
     vis = visible_blocks_reference(token_to_req, positions, seq_lens)
     req = token_to_req.long().clamp(0, max(block_table.shape[0] - 1, 0))
     pages = block_table.long()[req].repeat_interleave(kc_cache.shape[1], dim=1)  # [rows, n_cols]
@@ -124,6 +129,8 @@ def expand_tokens_reference(blocks, token_to_req, positions, seq_lens):
     """
     rows, k = blocks.shape
     dev = blocks.device
+    if seq_lens.shape[0] == 0:  # no request: every row is a padding row
+        return torch.full((rows, GROUP * k + GROUP - 1), -1, dtype=torch.int32, device=dev)
     req = token_to_req.long()
     pos = positions.long().clamp(max=INT32_MAX)
     ok = (req >= 0) & (req < seq_lens.shape[0]) & (pos >= 0)
@@ -142,8 +149,12 @@ def select_tokens_reference(index_q, kc_cache, block_table, token_to_req, positi
                             k: int = 512, scores=None):
     """The whole selection stage: scores, top-k over candidates, expansion. ``[rows, 4k + 3]`` int32.
 
-    ``scores`` (``[rows, n_cols]``) may be given to skip the score step.
+    ``scores`` (``[rows, n_cols]``) may be given to skip the score step. With no request
+    (``num_reqs == 0``) every row is a padding row: all -1.
     """
+    if block_table.shape[0] == 0:
+        return torch.full((token_to_req.shape[0], 4 * k + 3), -1, dtype=torch.int32,
+                          device=token_to_req.device)
     if scores is None:
         scores = block_scores_reference(index_q, kc_cache, block_table, token_to_req, positions,
                                         seq_lens)

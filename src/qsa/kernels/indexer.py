@@ -81,6 +81,9 @@ def block_scores_kernel(
             if DOT_FP32:
                 b_kc = b_kc.to(tl.float32)
             s = tl.dot(b_q, tl.trans(b_kc), input_precision="ieee")         # [BLOCK_R * H_PAD, BLOCK_N]
+            if H < H_PAD:
+                # A zero padding head still meets the keys in the dot (0 * inf = NaN): drop its row.
+                s = tl.where((o_mh < H)[:, None], s, 0.0)
             s = tl.where(s < 0.0, 0.0, s)                                    # relu that keeps NaN
             score = tl.sum(tl.reshape(s, [BLOCK_R, H_PAD, BLOCK_N]), axis=1) * scale
             p_out = out_ptr + o_r64[:, None] * stride_out + o_b[None, :]
