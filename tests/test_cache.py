@@ -323,6 +323,43 @@ class TestWriteKV:
         assert torch.equal(cache.k[0, 5], quantize_e4m3(x[1], 1.0))
 
 
+    def test_k_and_v_must_not_share_memory(self):
+        """V written over K: the same tensor twice, or two views whose elements overlap, are refused."""
+        cache = allocate_kv_cache(4, 4, 1, 16, dtype=torch.float16, layout="separate", fill="zeros")
+        x = torch.ones(1, 1, 16, dtype=torch.float16)
+        slots = torch.tensor([0])
+        with pytest.raises(ValueError, match="k_cache and v_cache must not share memory"):
+            PagedKVCache(cache.k, cache.k)
+        with pytest.raises(ValueError, match="k_cache and v_cache must not share memory"):
+            write_kv(cache.k, cache.k, x, -x, slots, backend="torch")
+        buf = torch.zeros(6, 4, 1, 16, dtype=torch.float16)
+        with pytest.raises(ValueError, match="k_cache and v_cache must not share memory"):
+            write_kv(buf[:4], buf[2:], x, -x, slots, backend="torch")
+        # FP8 bytes, V one element past K
+        raw = torch.zeros(4 * 4 * 16 + 1, dtype=torch.uint8)
+        with pytest.raises(ValueError, match="k_cache and v_cache must not share memory"):
+            PagedKVCache(raw[:-1].view(4, 4, 1, 16), raw[1:].view(4, 4, 1, 16), kv_cache_dtype="fp8_e4m3")
+
+    @pytest.mark.parametrize("dim", [1, 2, 3])
+    def test_disjoint_views_of_one_storage_are_accepted(self, dim):
+        """K and V interleaved along any dimension of one tensor share no element: accepted, and each
+        write lands in its own half."""
+        shape = [4, 4, 1, 16]
+        shape.insert(dim, 2)
+        storage = torch.zeros(shape, dtype=torch.float16)
+        k_cache, v_cache = storage.select(dim, 0), storage.select(dim, 1)
+        PagedKVCache(k_cache, v_cache)
+        x = torch.arange(16, dtype=torch.float16).reshape(1, 1, 16)
+        write_kv(k_cache, v_cache, x, -x, torch.tensor([5]), backend="torch")
+        assert torch.equal(k_cache[1, 1], x[0]) and torch.equal(v_cache[1, 1], -x[0])
+
+    def test_storage_views_must_have_its_dtype(self):
+        cache = allocate_kv_cache(4, 4, 1, 16, dtype=torch.float16, fill="zeros")
+        k, v = cache.k.view(torch.bfloat16), cache.v.view(torch.bfloat16)
+        with pytest.raises(ValueError, match=r"k must be the view storage\[:, 0\].*float16.*bfloat16"):
+            PagedKVCache(k, v, cache.storage)
+
+
 class TestBlockAllocator:
     def test_grow_free_and_reuse(self):
         a = BlockAllocator(6, 4)
@@ -397,6 +434,21 @@ class TestBlockAllocator:
         with pytest.raises(ValueError, match="more than max_blocks"):
             a.block_table(["a"], max_blocks=1)
 
+    @pytest.mark.parametrize("block_size", [6, 2, 0, -4])
+    def test_block_size_must_be_a_positive_multiple_of_4(self, block_size):
+        with pytest.raises(ValueError, match="block_size must be a positive multiple of 4"):
+            BlockAllocator(8, block_size)
+
+    def test_table_of_no_column(self):
+        """``max_blocks=0`` gives the promised ``[n, 0]`` table (as does the default with no block)."""
+        a = BlockAllocator(8, 4)
+        a.allocate("a", 0)
+        assert a.block_table(["a"], max_blocks=0).shape == (1, 0)
+        assert a.block_table(["a"]).shape == (1, 0)
+        assert a.block_table([], max_blocks=0).shape == (0, 0)
+        with pytest.raises(ValueError, match="max_blocks must be an int >= 0"):
+            a.block_table(["a"], max_blocks=-1)
+
 
 class TestRelocate:
     def _logical(self, tensor, table):
@@ -465,6 +517,12 @@ class TestRelocate:
             PagedKVCache(cache.k, cache.v, torch.zeros_like(cache.storage))
         with pytest.raises(ValueError, match=r"v must be the view storage\[:, 1\]"):
             PagedKVCache(cache.k, cache.k, cache.storage)
+
+    @pytest.mark.parametrize("bad", [-2, -(2**40)])
+    def test_mapping_below_minus_one_is_refused(self, bad):
+        """Only -1 drops a block: other negative ids are refused, not dropped."""
+        with pytest.raises(ValueError, match=r"mapping must hold ids >= -1 \(-1: drop\)"):
+            relocate(torch.ones(3, 2), torch.tensor([[0]], dtype=torch.int32), torch.tensor([1, bad, -1]))
 
     def test_zero_fill_default(self):
         new, _ = relocate(torch.ones(3, 2), torch.tensor([[0]], dtype=torch.int32), torch.tensor([1, -1, -1]))

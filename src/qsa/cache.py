@@ -22,7 +22,7 @@ import torch
 
 from . import routes
 from .kernels.cache_write import cache_write_kernel
-from .utils import check_positive_float, check_tensor, next_pow2, same_device
+from .utils import check_int, check_positive_float, check_tensor, next_pow2, overlaps_itself, same_device
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 ACTIVATION_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -105,10 +105,15 @@ class PagedKVCache:
             check_tensor("storage", self.storage, ndim=5,
                          shape=(self.num_blocks, 2, self.block_size, self.num_kv_heads, self.head_dim),
                          what="[num_blocks, 2, block_size, Hkv, D]")
-            for name, view, half in (("k", self.k, self.storage[:, 0]), ("v", self.v, self.storage[:, 1])):
+            for i, (name, view) in enumerate((("k", self.k), ("v", self.v))):
+                half = self.storage[:, i]
                 if (view.data_ptr(), view.stride(), view.element_size()) != \
                         (half.data_ptr(), half.stride(), half.element_size()):
-                    raise ValueError(f"{name} must be the view storage[:, {0 if name == 'k' else 1}] of storage")
+                    raise ValueError(f"{name} must be the view storage[:, {i}] of storage")
+                if view.dtype != half.dtype:
+                    raise ValueError(f"{name} must be the view storage[:, {i}] of storage with its dtype "
+                                     f"{_dtype_name(half.dtype)}, got {_dtype_name(view.dtype)}")
+        _check_disjoint(self.k, self.v)
 
     @classmethod
     def from_storage(cls, storage: torch.Tensor, *, kv_cache_dtype: str = "auto", k_scale: float = 1.0,
@@ -237,6 +242,55 @@ def _check_cache_pair(k_cache, v_cache, kv_cache_dtype: str) -> None:
         raise ValueError(f"k_cache block_size (dim 1) must be a multiple of 4, got {k_cache.shape[1]}")
 
 
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _offset_reachable(delta: int, dims: list) -> bool:
+    """Whether ``delta = sum_d c_d * stride_d`` with ``|c_d| <= size_d - 1`` for ``dims``, a list of
+    ``(stride, size)`` by increasing stride, each stride past the extent of the smaller ones. The
+    residual left for the smaller dimensions is within +-extent < stride, so at most two ``c`` of the
+    largest dimension qualify at each level."""
+    if not dims:
+        return delta == 0
+    (stride, size), rest = dims[-1], dims[:-1]
+    extent = sum((n - 1) * st for st, n in rest)
+    lo = max(-(size - 1), -((extent - delta) // stride))
+    hi = min(size - 1, (delta + extent) // stride)
+    return any(_offset_reachable(delta - c * stride, rest) for c in range(lo, hi + 1))
+
+
+def _shares_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one device may have an element in common (host metadata only, no
+    device work). Exact for two views with the same element size, shape and strides that do not
+    overlap themselves (K and V interleaved along any dimension of one storage); otherwise any
+    overlap of their address spans counts."""
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+
+    def span(t):
+        lo = t.data_ptr()
+        return lo, lo + t.element_size() * (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))
+
+    (a_lo, a_hi), (b_lo, b_hi) = span(a), span(b)
+    if a_hi <= b_lo or b_hi <= a_lo:
+        return False
+    size = a.element_size()
+    delta = b_lo - a_lo
+    if (b.element_size() != size or a.shape != b.shape or a.stride() != b.stride() or delta % size
+            or overlaps_itself(a)):
+        return True
+    return _offset_reachable(delta // size, sorted((st, n) for n, st in zip(a.shape, a.stride()) if n > 1))
+
+
+def _check_disjoint(k_cache, v_cache) -> None:
+    if _shares_memory(k_cache, v_cache):
+        raise ValueError("k_cache and v_cache must not share memory (V would overwrite K): pass two "
+                         "tensors, or the views storage[:, 0] and storage[:, 1] of an interleaved storage; "
+                         f"got data_ptr {k_cache.data_ptr():#x} / {v_cache.data_ptr():#x}, strides "
+                         f"{tuple(k_cache.stride())} / {tuple(v_cache.stride())}")
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slot_mapping: torch.Tensor, *, kv_cache_dtype: str = "auto", k_scale: float = 1.0,
              v_scale: float = 1.0, backend: str | None = None) -> None:
@@ -244,7 +298,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
 
     Args:
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``; strided views of an interleaved
-            storage are fine. fp16/bf16/fp32 for ``"auto"``, ``torch.uint8`` for ``"fp8_e4m3"``.
+            storage are fine, but no element may be shared by the two (ValueError).
+            fp16/bf16/fp32 for ``"auto"``, ``torch.uint8`` for ``"fp8_e4m3"``.
         k, v: ``[T, Hkv, D]`` new rows (any strides). Same dtype as the cache for ``"auto"``;
             fp16/bf16/fp32 for FP8, quantised bit-exactly as :func:`quantize_e4m3`.
         slot_mapping: ``[T]`` int64 (or int32) ``physical_block * block_size + offset``. Slots < 0
@@ -261,6 +316,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     """
     _check_kv_cache_dtype(kv_cache_dtype)
     _check_cache_pair(k_cache, v_cache, kv_cache_dtype)
+    _check_disjoint(k_cache, v_cache)
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     what = "[T, Hkv, D]"
     in_dtypes = ACTIVATION_DTYPES if kv_cache_dtype == "fp8_e4m3" else k_cache.dtype
@@ -312,7 +368,7 @@ class BlockAllocator:
 
     Args:
         num_blocks: physical blocks in the cache.
-        block_size: tokens per block.
+        block_size: tokens per block, a positive multiple of 4.
         reserve_block0: keep physical block 0 out of the free list (it may hold another layer's state).
         generator: None hands blocks out in ascending order; a ``torch.Generator``, a
             ``random.Random`` or an int seed shuffles the free list so ids are not simply 1, 2, 3...
@@ -320,8 +376,10 @@ class BlockAllocator:
 
     def __init__(self, num_blocks: int, block_size: int, *, reserve_block0: bool = True,
                  generator=None):
-        if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        if num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {num_blocks}")
+        if block_size <= 0 or block_size % 4:
+            raise ValueError(f"block_size must be a positive multiple of 4 (page4 microblocks), got {block_size}")
         self.num_blocks = int(num_blocks)
         self.block_size = int(block_size)
         first = 1 if reserve_block0 else 0
@@ -419,10 +477,14 @@ class BlockAllocator:
         return torch.tensor(slots, dtype=torch.int64, device=device)
 
     def block_table(self, req_ids, max_blocks: int | None = None, device="cpu") -> torch.Tensor:
-        """int32 ``[len(req_ids), max_blocks]`` table, padded with -1 (default width: the longest)."""
+        """int32 ``[len(req_ids), max_blocks]`` table, padded with -1 (default width: the longest;
+        0 columns when no request holds a block)."""
         rows = [self._get(r) for r in req_ids]
-        width = max((len(b) for b in rows), default=0) if max_blocks is None else int(max_blocks)
-        table = torch.full((len(rows), max(width, 1)), -1, dtype=torch.int32)
+        if max_blocks is None:
+            width = max((len(b) for b in rows), default=0)
+        else:
+            width = check_int("max_blocks", max_blocks, 0)
+        table = torch.full((len(rows), width), -1, dtype=torch.int32)
         for i, (req, b) in enumerate(zip(req_ids, rows)):
             if len(b) > width:
                 raise ValueError(f"request {req!r} holds {len(b)} blocks, more than max_blocks={width}")
@@ -488,7 +550,8 @@ def relocate(tensor: torch.Tensor, block_table: torch.Tensor, mapping: torch.Ten
             K or V cache, a compressed-key cache).
         block_table: ``[num_reqs, max_blocks]`` int32 table into ``tensor``.
         mapping: int64 ``[num_blocks_in]``; ``mapping[old]`` is the new physical id of block ``old``,
-            or -1 to drop it. Must be injective on the mapped blocks and map every block the table uses.
+            or -1 to drop it (other negative values are refused). Must be injective on the mapped
+            blocks and map every block the table uses.
         num_blocks_out: blocks of the new tensor (default: same as ``tensor``).
         fill: content of blocks nothing maps to: None -> zeros, ``"nan"`` -> NaN (0x7F for uint8).
 
@@ -505,6 +568,8 @@ def relocate(tensor: torch.Tensor, block_table: torch.Tensor, mapping: torch.Ten
         raise ValueError(f"fill must be None or 'nan', got {fill!r}")
 
     mapping = mapping.to(tensor.device)
+    if bool((mapping < -1).any()):  # host sync, as the checks below (relocate is a test utility)
+        raise ValueError(f"mapping must hold ids >= -1 (-1: drop), got {int(mapping.min())}")
     mapped = mapping >= 0
     if bool((mapping >= n_out).any()):
         raise ValueError(f"mapping has ids >= num_blocks_out ({n_out})")
