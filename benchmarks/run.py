@@ -530,11 +530,36 @@ def parse_args(argv):
                         "the --out directory)")
     p.add_argument("--no-plot", action="store_true", help="do not draw docs/benchmarks.png")
     p.add_argument("--no-docs", action="store_true", help="write the JSON only")
-    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--device", default=None, help="auto, cpu or cuda[:N] (default: auto, the GPU if there is one)")
     p.add_argument("--max-minutes", type=float, default=None,
                    help="start no new scenario after this many minutes (the rest is recorded as skipped)")
     p.add_argument("--list", action="store_true", help="list the scenarios and exit")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    args.parser = p
+    return args
+
+
+def _on_cpu(parser, text: str | None) -> bool:
+    """Whether ``--device`` names the CPU (auto: no GPU), read with torch alone: qsa must not be imported
+    before the interpreter is switched on."""
+    import torch
+
+    if text in (None, "auto"):
+        return not torch.cuda.is_available()
+    try:
+        return torch.device(text).type == "cpu"
+    except RuntimeError:
+        parser.error(f"--device must be auto, cpu or cuda, got {text!r}")
+
+
+def failures(report: dict) -> list[str]:
+    """What failed in a run: every route or baseline that failed its check or errored, and every scenario
+    that errored (a scenario left out by ``--max-minutes`` is not a failure)."""
+    bad = [f"{r['scenario']}:{r['route']}" for r in report["records"]
+           if r.get("kind") != "floor" and (not r.get("passed") or r.get("error"))]
+    bad += [f"{s['name']} ({s['error']})" for s in report["scenarios"]
+            if s.get("error") and not str(s["error"]).startswith("skipped: --max-minutes")]
+    return bad
 
 
 def main(argv=None) -> int:
@@ -552,11 +577,25 @@ def main(argv=None) -> int:
 
     import torch
 
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if _on_cpu(args.parser, args.device) and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        # Triton kernels run on the CPU only under the interpreter, and the flag is read when a kernel is
+        # defined: set it before qsa's kernels load, or (qsa already imported, as by `qsa bench`) rerun.
+        if "qsa" in sys.modules:
+            import subprocess
+
+            path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+            return subprocess.call([sys.executable, "-m", "benchmarks.run", *argv],
+                                   env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path))
+        os.environ["TRITON_INTERPRET"] = "1"
+    if str(ROOT / "src") not in sys.path:
+        try:
+            import qsa  # noqa: F401
+        except ImportError:
+            sys.path.insert(0, str(ROOT / "src"))
+    from qsa.utils import cli_device
+
+    device = str(cli_device(args.parser, args.device or "auto"))
     if torch.device(device).type == "cpu":
-        if not os.environ.get("TRITON_INTERPRET"):
-            # Triton kernels run on the CPU only under the interpreter; set before qsa's kernels load.
-            os.environ["TRITON_INTERPRET"] = "1"
         if not args.scenario:  # the GPU-sized scenarios would take hours under the interpreter
             scenarios = registry.select(["tiny-*"])
             print("qsa bench on the CPU: the tiny scenarios (name others with --scenario)", file=sys.stderr)
@@ -568,11 +607,6 @@ def main(argv=None) -> int:
             args.docs = args.out
     args.out = args.out or ROOT / "benchmarks" / "results"
     args.docs = args.docs or ROOT / "docs"
-    if str(ROOT / "src") not in sys.path:
-        try:
-            import qsa  # noqa: F401
-        except ImportError:
-            sys.path.insert(0, str(ROOT / "src"))
     if torch.device(device).type == "cuda" and torch.device(device).index is not None:
         torch.cuda.set_device(torch.device(device))
 
@@ -626,6 +660,11 @@ def main(argv=None) -> int:
         history = sorted(p for p in out_dir.glob("*.json") if p.name != "latest.json")
         write_markdown(report, docs / "benchmarks.md", plot=plot, history=history)
     print(f"\nwrote {latest} and {dated}" + ("" if args.no_docs else f", {Path(args.docs) / 'benchmarks.md'}"))
+    bad = failures(report)
+    if bad:
+        print(f"qsa bench: {len(bad)} failed or errored: {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}",
+              file=sys.stderr)
+        return 1
     return 0
 
 

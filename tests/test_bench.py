@@ -5,6 +5,7 @@ import dataclasses
 import json
 import math
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -439,6 +440,38 @@ def test_cpu_run_takes_the_tiny_scenarios_and_keeps_the_gpu_results(tmp_path, mo
     names = {r["scenario"] for r in json.load(open(latest))["records"]}
     assert names and all(n.startswith("tiny-") for n in names), names
     assert (run.ROOT / "benchmarks" / "results" / "latest.json").read_bytes() == before
+
+
+def test_bench_exit_status_counts_failures(tmp_path, monkeypatch):
+    """A run in which a route fails its check exits 1 (its records stay in the JSON); floors never fail, and
+    scenarios left out by --max-minutes are not failures; a --device that is no device is a usage error."""
+    monkeypatch.setattr(run, "gate", lambda errors, bounds: False)
+    assert run.main(["--scenario", "tiny-decode", "--route", "xqa", "--out", str(tmp_path), "--no-docs"]) == 1
+    recs = json.loads((tmp_path / "latest.json").read_text())["records"]
+    assert any(r["route"] == "xqa" and not r["passed"] for r in recs)
+    report = {"records": [{"scenario": "a", "route": "floor-flops", "kind": "floor", "passed": None, "error": None},
+                          {"scenario": "a", "route": "xqa", "kind": "route", "passed": True, "error": None}],
+              "scenarios": [{"name": "b", "error": "skipped: --max-minutes reached"}]}
+    assert run.failures(report) == []
+    report["records"].append({"scenario": "a", "route": "splitk", "kind": "route", "passed": True, "error": "boom"})
+    report["scenarios"].append({"name": "c", "error": "CUDA error"})
+    assert run.failures(report) == ["a:splitk", "c (CUDA error)"]
+    with pytest.raises(SystemExit) as e:
+        run.main(["--device", "foo", "--no-docs"])
+    assert e.value.code == 2
+
+
+def test_qsa_bench_runs_the_kernels_on_a_cpu_without_the_interpreter_flag(tmp_path):
+    """`qsa bench` imports qsa before benchmarks.run can switch the interpreter on: on a CPU it reruns
+    itself under the interpreter, so the Triton routes run and pass (not ERROR with exit status 0)."""
+    env = dict(os.environ, TRITON_INTERPRET="0")
+    proc = subprocess.run([sys.executable, "-m", "qsa.cli", "bench", "--scenario", "tiny-decode", "--route", "xqa",
+                           "--device", "cpu", "--out", str(tmp_path), "--no-docs"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    recs = json.loads((tmp_path / "latest.json").read_text())["records"]
+    xqa = [r for r in recs if r["route"] == "xqa"]
+    assert xqa and all(r["passed"] and r["error"] is None for r in xqa), xqa
 
 
 def test_tune_smoke_checks_and_times_every_setting(tmp_path, monkeypatch):
