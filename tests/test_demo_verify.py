@@ -69,12 +69,78 @@ def test_demo_fails_on_a_placement_dependent_defect(monkeypatch, capsys):
     ("demo", ["--alloc-seeds", "1", "1"], "must differ"), ("demo", ["--route", "fast"], "--route"),
     ("verify", ["--sample", "-3"], "--sample"), ("verify", ["-n", "0"], "--relocations"),
     ("verify", ["--load", "/nonexistent/step.pt"], "no such file"), ("verify", ["--device", "tpu"], "--device"),
+    ("demo", ["--alloc-seeds", "1", "-1"], "absolute value"), ("demo", ["--alloc-seeds", "-7", "7"], "absolute value"),
+    ("demo", ["--topk", str(indexer.MAX_K + 1), "--requests", "1"], "--topk"), ("demo", ["--topk", "0"], "--topk"),
+    ("demo", ["--seed", str(2**64)], "--seed"), ("demo", ["--seed", str(-(2**63) - 1)], "--seed"),
+    ("verify", ["--seed", str(2**64), "--route", "reference"], "--seed"),
+    ("verify", ["--save", "/nonexistent/step.pt", "--route", "reference"],
+     "--save /nonexistent/step.pt: no such folder"),
 ])
 def test_cli_refuses_bad_arguments(cmd, args, match, capsys):
     with pytest.raises(SystemExit) as e:
         (demo if cmd == "demo" else verify).main(["--device", "cpu", *args] if "--device" not in args else args)
     assert e.value.code == 2
     assert match in capsys.readouterr().err
+
+
+def test_demo_refuses_to_call_one_placement_independent(capsys):
+    """Seeds 1 and 5 hand a single one-block request the same block: the runs compared nothing, and the
+    demo says so instead of reporting placement independence."""
+    status = demo.main(["--device", "cpu", "--route", "reference", "--requests", "1", "--prompt-len", "1",
+                        "--new-tokens", "1", "--alloc-seeds", "1", "5", "--no-warmup"])
+    out = capsys.readouterr().out
+    assert status == 1, out
+    assert "INCONCLUSIVE" in out and "same physical blocks" in out and "OK:" not in out
+
+
+def test_demo_physical_order_on_the_reference_route(capsys):
+    """No Triton kernel runs on the reference route: the demo does not claim the interpreter runs them."""
+    status = demo.main(["--device", "cpu", "--route", "reference", "--plan-order", "physical", "--requests", "2",
+                        "--prompt-len", "20", "--new-tokens", "1", "--no-warmup"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "Triton interpreter" not in out
+    assert "the reference route has none" in out
+
+
+def _bad_steps(tmp_path):
+    """Files ``--load`` must refuse, with what its message should name."""
+    good = dict(q=torch.zeros(4, 2, 16), gate=torch.zeros(4, 2, 16), iq=torch.zeros(4, 1, 16),
+                kv=torch.zeros(3, 2, 16, 1, 16), kc=torch.zeros(3, 4, 16),
+                block_table=torch.zeros(1, 3, dtype=torch.int32),
+                token_to_req=torch.zeros(4, dtype=torch.int32), positions=torch.arange(4),
+                seq_lens=torch.tensor([4], dtype=torch.int32), indices=torch.zeros(4, 7, dtype=torch.int32),
+                index_topk=1)
+    cases = {"text": ("not a torch file", "torch.load failed"), "tensor": (torch.zeros(3), "must be a dict"),
+             "partial": ({"q": torch.zeros(3)}, "missing gate"), "extra": ({**good, "x": 1}, "unknown x"),
+             "not_a_tensor": ({**good, "kv": [1, 2]}, "kv must be a torch.Tensor"),
+             "rows": ({**good, "positions": torch.arange(5)}, "positions must have 4 rows"),
+             "topk": ({**good, "index_topk": 1.5}, "index_topk must be an int")}
+    for name, (content, match) in cases.items():
+        path = tmp_path / f"{name}.pt"
+        if isinstance(content, str):
+            path.write_text(content)
+        else:
+            torch.save(content, path)
+        yield str(path), match
+
+
+def test_verify_load_refuses_bad_files(tmp_path, capsys):
+    for path, match in _bad_steps(tmp_path):
+        with pytest.raises(SystemExit) as e:
+            verify.main(["--device", "cpu", "--route", "reference", "--load", path])
+        err = capsys.readouterr().err
+        assert e.value.code == 2, path
+        assert f"--load {path}" in err and match in err, err
+
+
+def test_verify_physical_order_without_a_grouped_plan(capfd):
+    """The reference route has no grouped plan: the physical order changes nothing there, and verify says so."""
+    status = verify.main(["--device", "cpu", "--route", "reference", "--plan-order", "physical", "-n", "1",
+                          "--sample", "2"])
+    out = capfd.readouterr().out
+    assert status == 0, out
+    assert "the physical order only reorders grouped plans; the reference route of this step has none" in out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")

@@ -9,7 +9,8 @@ resolves to the pure-PyTorch reference route unless the Triton interpreter is on
 physical microblock id instead of logical order, which lets the page placement into the kernel's
 accumulation order. On the CPU this runs the Triton kernels under the interpreter with tiny sizes.
 
-Exit status: 0 when the logical-order logits are bitwise equal across placements, 1 otherwise.
+Exit status: 0 when the logical-order logits are bitwise equal across placements, 1 when they differ or
+when the two runs came out on the same physical blocks (then the comparison shows nothing).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .indexer import MAX_K
 from .routes import ROUTES
-from .utils import cli_device, int_at_least
+from .utils import SEED_MAX, SEED_MIN, cli_device, int_at_least, int_in_range
 
 CPU_DEFAULTS = dict(layers=2, requests=3, prompt_len=150, new_tokens=8, chunk=128, block_size=16, topk=16,
                     dtype="bf16")
@@ -96,7 +98,7 @@ class RunResult:
     seed: int
     order: str
     result: object  # qsa.serving.GenerationResult
-    first_blocks: list
+    blocks: list  # physical blocks of each request, in logical order
 
 
 def _prompts(n: int, base_len: int, vocab: int, seed: int) -> list[list[int]]:
@@ -125,7 +127,7 @@ def _table(runs: list[RunResult]) -> str:
     lines = [head, "-" * len(head)]
     for r in runs:
         res = r.result
-        blocks = ",".join(str(b) for b in r.first_blocks[:3]) + ",.."
+        blocks = ",".join(str(b) for b in r.blocks[0][:3]) + ",.."
         lines.append(f"{r.label:<4s} {r.order:<10s} {r.seed:>10d} {blocks:<18s} "
                      f"{res.prefill_tokens / max(res.prefill_s, 1e-9):>13.0f} "
                      f"{res.decode_tokens / max(res.decode_s, 1e-9):>12.0f} "
@@ -147,10 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new-tokens", type=int_at_least(1))
     p.add_argument("--chunk", type=int_at_least(1), help="prefill tokens per step")
     p.add_argument("--block-size", type=int_at_least(4), help="tokens per KV block, a multiple of 4")
-    p.add_argument("--topk", type=int_at_least(1), help="blocks of 4 tokens each row selects")
+    p.add_argument("--topk", type=int_in_range(1, MAX_K), help="blocks of 4 tokens each row selects")
     p.add_argument("--dtype", choices=tuple(DTYPES), help="activations and caches (default bf16; fp16 for the "
                    "CPU physical-order demonstration, whose 10-bit mantissa shows rounding flips more often)")
-    p.add_argument("--seed", type=int, default=0, help="weights and prompts")
+    p.add_argument("--seed", type=int_in_range(SEED_MIN, SEED_MAX), default=0, help="weights and prompts")
     p.add_argument("--alloc-seeds", type=int, nargs=2, default=(1, 2), metavar=("A", "B"),
                    help="block allocator shuffles of the two runs")
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on the GPU")
@@ -161,6 +163,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--block-size must be a multiple of 4, got {args.block_size}")
     if args.alloc_seeds[0] == args.alloc_seeds[1]:
         p.error("--alloc-seeds must differ: the demo compares two page placements")
+    if abs(args.alloc_seeds[0]) == abs(args.alloc_seeds[1]):
+        p.error(f"--alloc-seeds must differ in absolute value: {args.alloc_seeds[0]} and {args.alloc_seeds[1]} "
+                "shuffle the blocks alike (random.Random seeds with |seed|), and the demo compares two page "
+                "placements")
 
     device = cli_device(p, args.device)
     physical_cpu = args.plan_order == "physical" and device.type == "cpu"
@@ -204,7 +210,7 @@ def _demo(args, device: torch.device, physical_cpu: bool) -> int:
     print(f"{len(prompts)} requests of {', '.join(map(str, lens))} prompt tokens, {args.new_tokens} new tokens "
           f"each; prefill chunks of {args.chunk}, block size {args.block_size}, {num_blocks} blocks; "
           f"route {args.route} (prefill chunks: {resolved}); decode {'in a CUDA graph' if graph else 'eager'}")
-    if physical_cpu:
+    if physical_cpu and interpreter_enabled() and resolved != "reference":
         print("the attention kernels run under the Triton interpreter; selection and cache writes use their "
               "PyTorch implementations (same contract) to keep this short")
 
@@ -215,15 +221,15 @@ def _demo(args, device: torch.device, physical_cpu: bool) -> int:
                              backend="torch" if physical_cpu else None)
         engine = Engine(model, scfg)
         bar = ProgressBar(f"run {label} {order}")
-        first = []
+        blocks = []
 
         def on_step(done, total, kind):
-            if not first:
-                first.extend(engine.allocator.blocks(0))
+            if done == total:  # every request holds all of its blocks (they are freed after the last step)
+                blocks.extend(engine.allocator.blocks(s) for s in range(len(prompts)))
             bar.update(done, total, kind)
 
         res = engine.generate(prompts, args.new_tokens, on_step=on_step)
-        return RunResult(label, seed, order, res, first)
+        return RunResult(label, seed, order, res, blocks)
 
     sa, sb = args.alloc_seeds
     if not (args.no_warmup or interpreter_enabled()):
@@ -245,6 +251,10 @@ def _demo(args, device: torch.device, physical_cpu: bool) -> int:
                   "sequence changed but no rounding flipped (try more requests or rows)")
         else:
             print("  the kernel accumulated the same pages in an order set by where they sit in memory")
+    if runs[0].blocks == runs[1].blocks:
+        print(f"INCONCLUSIVE: allocator seeds {sa} and {sb} placed every request on the same physical blocks, "
+              "so the runs compared no two placements (try other --alloc-seeds, or more or longer requests)")
+        return 1
     if ok and not bad:
         print("OK: logits are bitwise equal across page placements")
         return 0

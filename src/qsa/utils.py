@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import operator
 import os
 
 import torch
@@ -28,7 +29,15 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
 
 
 def next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``); ``n`` is an int (anything with
+    ``__index__``, not a bool)."""
+    if isinstance(n, bool):
+        raise TypeError("n must be an int, got bool")
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise TypeError(f"n must be an int, got {type(n).__name__}") from None
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
 def round_up(n: int, m: int) -> int:
@@ -56,7 +65,7 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=N
         if t.dim() != len(shape) or any(s is not None and s != d for s, d in zip(shape, t.shape)):
             want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
             raise ValueError(f"{name} must have shape {want}{desc}, got {tuple(t.shape)}")
-    if device is not None and t.device != torch.device(device):
+    if device is not None and not same_device(t.device, device):
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
@@ -78,9 +87,14 @@ def as_finite_float(name: str, x) -> float:
             raise ValueError(f"{name} must be a python float or a CPU scalar tensor (no device sync)")
         if x.dtype == torch.bool:
             raise TypeError(f"{name} must be a float, got a bool tensor")
+        if x.dtype.is_complex:
+            raise TypeError(f"{name} must be a real float, got a {str(x.dtype).replace('torch.', '')} tensor")
     elif isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a float, got {type(x).__name__}")
-    value = float(x)
+    try:
+        value = float(x)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite, got a value too large for a float") from None
     if not math.isfinite(value):
         raise ValueError(f"{name} must be finite, got {value}")
     return value
@@ -90,14 +104,21 @@ def check_positive_float(name: str, x) -> None:
     """``x`` is a finite number > 0 held on the host (not a bool, not a tensor)."""
     if isinstance(x, bool) or not isinstance(x, numbers.Real):
         raise TypeError(f"{name} must be a python float (a host value, no device tensor), got {type(x).__name__}")
-    if not (0.0 < float(x) < float("inf")):
+    try:
+        value = float(x)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite and > 0, got a value too large for a float") from None
+    if not (0.0 < value < float("inf")):
         raise ValueError(f"{name} must be finite and > 0, got {x}")
 
 
 def overlaps_itself(t: torch.Tensor) -> bool:
     """Whether two elements of ``t`` may share memory: its dimensions of more than one element, by
     increasing stride, must each step over the whole extent of the ones before (conservative: a layout
-    that interleaves dimensions without overlap also counts as overlapping)."""
+    that interleaves dimensions without overlap also counts as overlapping). A tensor with no elements
+    overlaps nothing."""
+    if t.numel() == 0:
+        return False
     extent = 1
     for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
         if stride < extent:
@@ -121,6 +142,28 @@ def int_at_least(least: int):
 
     parse.__name__ = f"int >= {least}"
     return parse
+
+
+def int_in_range(least: int, most: int):
+    """An ``argparse`` type: an int in ``[least, most]``."""
+    def parse(text: str) -> int:
+        import argparse
+
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an int in [{least}, {most}], got {text!r}") from None
+        if not least <= value <= most:
+            raise argparse.ArgumentTypeError(f"must be an int in [{least}, {most}], got {value}")
+        return value
+
+    parse.__name__ = f"int in [{least}, {most}]"
+    return parse
+
+
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+"""Range of the commands' ``--seed``: a signed 64-bit int, inside what ``torch.Generator.manual_seed``
+takes ([-2**63, 2**64 - 1]) with room for the per-layer seeds ``seed + 1 + i``."""
 
 
 def cli_device(parser, text: str) -> torch.device:

@@ -25,12 +25,13 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 
 import torch
 
 from .routes import ROUTES
-from .utils import cli_device, int_at_least
+from .utils import (SEED_MAX, SEED_MIN, as_finite_float, check_int, check_tensor, cli_device, int_at_least,
+                    int_in_range)
 
 CPU_STEP = dict(prompts=(200, 136), chunk=76, step=2, block_size=16)
 GPU_STEP = dict(prompts=(6000, 3000), chunk=2052, step=2, block_size=64)
@@ -84,7 +85,51 @@ class StepInputs:
 
     @classmethod
     def load(cls, path: str) -> "StepInputs":
-        return cls(**torch.load(path, map_location="cpu", weights_only=True))
+        """The step saved at ``path`` by :meth:`save`.
+
+        Raises:
+            ValueError, TypeError: ``path`` does not hold such a step (naming what is missing or wrong).
+        """
+        try:
+            data = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # a file torch.load cannot read fails in many ways (pickle, zip, EOF, ...)
+            detail = (str(e).strip().splitlines() or [""])[0][:200]
+            raise ValueError(f"not a step saved with --save: torch.load failed ({type(e).__name__}"
+                             f"{': ' + detail if detail else ''})") from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data) -> "StepInputs":
+        """A step from the mapping :meth:`save` writes, its fields checked (ValueError/TypeError naming
+        the field)."""
+        if not isinstance(data, dict):
+            raise TypeError(f"a saved step must be a dict of the StepInputs fields, got {type(data).__name__}")
+        names = [f.name for f in fields(cls)]
+        missing = [f.name for f in fields(cls) if f.name not in data and f.default is MISSING]
+        unknown = sorted(str(k) for k in data if k not in names)
+        if missing or unknown:
+            raise ValueError("a saved step must hold the StepInputs fields: "
+                             + "; ".join(f"{w} {', '.join(ks)}" for w, ks in (("missing", missing),
+                                                                               ("unknown", unknown)) if ks))
+        for name, ndim, what in (("q", 3, "[rows, Hq, D]"), ("gate", 3, "[rows, Hq, D]"),
+                                 ("iq", 3, "[rows, index_heads, index_head_dim]"),
+                                 ("kv", 5, "[num_blocks, 2, block_size, Hkv, D]"),
+                                 ("kc", 3, "[num_blocks, block_size // 4, index_head_dim]"),
+                                 ("block_table", 2, "[num_reqs, max_blocks]"), ("token_to_req", 1, "[rows]"),
+                                 ("positions", 1, "[rows]"), ("seq_lens", 1, "[num_reqs]"),
+                                 ("indices", 2, "[rows, 4 * index_topk + 3]")):
+            check_tensor(name, data[name], ndim=ndim, what=what)
+        rows = data["q"].shape[0]
+        for name in ("gate", "iq", "token_to_req", "positions", "indices"):
+            if data[name].shape[0] != rows:
+                raise ValueError(f"{name} must have {rows} rows (as q), got shape {tuple(data[name].shape)}")
+        check_int("index_topk", data["index_topk"], 1)
+        if not isinstance(data.get("kv_cache_dtype", "auto"), str):
+            raise TypeError(f"kv_cache_dtype must be a str, got {type(data['kv_cache_dtype']).__name__}")
+        for name in ("k_scale", "v_scale"):
+            if name in data:
+                as_finite_float(name, data[name])
+        return cls(**data)
 
     @property
     def rows(self) -> int:
@@ -368,7 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="qsa verify", description=__doc__.split("\n")[0])
     p.add_argument("-n", "--relocations", type=int_at_least(1), default=None,
                    help="random page relocations to replay (default 3 on the CPU, 12 on the GPU)")
-    p.add_argument("--seed", type=int, default=0, help="model, prompts and relocation seed")
+    p.add_argument("--seed", type=int_in_range(SEED_MIN, SEED_MAX), default=0,
+                   help="model, prompts and relocation seed")
     p.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
     p.add_argument("--route", default="auto", choices=ROUTES, help="auto, grouped, xqa, splitk or reference")
     p.add_argument("--sample", type=int_at_least(1), default=None,
@@ -381,6 +427,18 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.load and not os.path.isfile(args.load):
         p.error(f"--load {args.load}: no such file")
+    args.step = None
+    if args.load:
+        try:
+            args.step = StepInputs.load(args.load)
+        except (ValueError, TypeError) as e:
+            p.error(f"--load {args.load}: {e}")
+    if args.save:
+        folder = os.path.dirname(os.path.abspath(args.save))
+        if os.path.isdir(args.save):
+            p.error(f"--save {args.save}: is a folder, not a file name")
+        if not os.path.isdir(folder):
+            p.error(f"--save {args.save}: no such folder {folder}")
 
     device = cli_device(p, args.device)
     if device.type == "cpu" and args.route != "reference":
@@ -402,7 +460,7 @@ def _verify(args, device: torch.device) -> int:
 
     t0 = time.perf_counter()
     if args.load:
-        step = StepInputs.load(args.load).to(device)
+        step = args.step.to(device)
         source = f"loaded from {args.load}"
     else:
         step = capture_step(device, seed=args.seed)
@@ -419,6 +477,9 @@ def _verify(args, device: torch.device) -> int:
           f"top-{step.index_topk} selection; route {args.route} -> {split}")
     if args.plan_order == "physical":
         print("plan order physical: a demonstration of the defect the logical order fixes")
+        if not choice.grouped_rows:
+            print(f"  the physical order only reorders grouped plans; the {choice.route} route of this step has "
+                  "none, so the replays below run as in the logical order")
     sample = args.sample if args.sample is not None else (None if device.type == "cuda" else CPU_SAMPLE)
     v = Verifier(step, route=args.route, seed=args.seed, plan_order=args.plan_order, sample=sample)
     checks = [v.repeat(), *v.relocations(n), v.permuted(), v.cuda_graph(min(n, 4)), v.accuracy()]
