@@ -161,8 +161,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.block_size is not None and args.block_size % 4:
         p.error(f"--block-size must be a multiple of 4, got {args.block_size}")
-    if args.alloc_seeds[0] == args.alloc_seeds[1]:
-        p.error("--alloc-seeds must differ: the demo compares two page placements")
     if abs(args.alloc_seeds[0]) == abs(args.alloc_seeds[1]):
         p.error(f"--alloc-seeds must differ in absolute value: {args.alloc_seeds[0]} and {args.alloc_seeds[1]} "
                 "shuffle the blocks alike (random.Random seeds with |seed|), and the demo compares two page "

@@ -67,6 +67,12 @@ def _check_same_device(ref_name: str, ref: torch.Tensor, **tensors) -> None:
             raise ValueError(f"{name} must be on {ref.device} like {ref_name}, got {t.device}")
 
 
+def check_index_dim(name: str, D: int) -> None:
+    """``D`` is an index key width the selection kernels take: a power of two >= 16."""
+    if D < 16 or D & (D - 1):
+        raise ValueError(f"{name} must be a power of two >= 16 (the index kernels' key widths), got {D}")
+
+
 def _check_k(k) -> int:
     k = check_int("k", k)
     if not 1 <= k <= MAX_K:
@@ -99,8 +105,7 @@ def _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_le
     check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), what="[num_reqs, max_blocks]")
     _check_rows(token_to_req, positions, rows)
     _check_seq_lens(seq_lens, token_to_req, block_table.shape[0])
-    if D < 16 or D & (D - 1):
-        raise ValueError(f"index_q head width D must be a power of two >= 16, got {D}")
+    check_index_dim("index_q head width D", D)
     if H < 1:
         raise ValueError(f"index_q must have at least one head, got shape {tuple(index_q.shape)}")
     if kc_cache.shape[1] < 1:
@@ -540,9 +545,7 @@ class CompressedKeyCache:
         dim = check_int("dim", dim)
         if block_size <= 0 or block_size % GROUP:
             raise ValueError(f"block_size must be a positive multiple of 4, got {block_size}")
-        if dim < 16 or dim & (dim - 1):
-            raise ValueError(f"dim must be a power of two >= 16 (the index key widths the kernels take), "
-                             f"got {dim}")
+        check_index_dim("dim", dim)
         self.kc_cache = torch.zeros(num_blocks, block_size // GROUP, dim, dtype=dtype, device=device)
         self.partial = torch.zeros(num_reqs, GROUP - 1, dim, dtype=torch.float32, device=device)
         self.transform = transform

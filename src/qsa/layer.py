@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops, routes
-from .indexer import MAX_K
+from .indexer import MAX_K, check_index_dim
 from .tp import HeadShard, TPInfo, all_reduce, shard_heads
 from .utils import check_int, check_positive_float
 
@@ -82,9 +82,7 @@ class QSAConfig:
         if self.head_dim not in routes.HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {routes.HEAD_DIMS} (the attention kernels' widths), "
                              f"got {self.head_dim}")
-        if self.index_head_dim < 16 or self.index_head_dim & (self.index_head_dim - 1):
-            raise ValueError(f"index_head_dim must be a power of two >= 16 (the indexer kernels' widths), "
-                             f"got {self.index_head_dim}")
+        check_index_dim("index_head_dim", self.index_head_dim)
         if self.index_topk > MAX_K:
             raise ValueError(f"index_topk must be in [1, {MAX_K}] (the selection kernel's limit), "
                              f"got {self.index_topk}")

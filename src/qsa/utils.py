@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-import operator
 import os
 
 import torch
@@ -29,14 +28,8 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
 
 
 def next_pow2(n: int) -> int:
-    """The smallest power of two >= ``n`` (1 for ``n <= 1``); ``n`` is an int (anything with
-    ``__index__``, not a bool)."""
-    if isinstance(n, bool):
-        raise TypeError("n must be an int, got bool")
-    try:
-        n = operator.index(n)
-    except TypeError:
-        raise TypeError(f"n must be an int, got {type(n).__name__}") from None
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``); ``n`` is an int (:func:`check_int`)."""
+    n = check_int("n", n)
     return 1 if n <= 1 else 1 << (n - 1).bit_length()
 
 
