@@ -496,6 +496,12 @@ def test_bad_inputs_name_the_argument():
             qsa.plan_attention(*plan_args, **{**shape, name: True})
     with pytest.raises(TypeError, match="return_lse must be a bool"):
         call(return_lse="yes")
+    with pytest.raises(TypeError, match="rows_sorted must be a bool, got numpy.int64"):
+        call(rows_sorted=np.int64(1))
+    # numpy bools (flags read from arrays) are bools: the same bits as the python bools
+    ref_out, ref_lse = call(return_lse=True, rows_sorted=True)
+    np_out, np_lse = call(return_lse=np.bool_(True), rows_sorted=np.bool_(True))
+    assert torch.equal(np_out, ref_out) and torch.equal(np_lse, ref_lse)
     with pytest.raises(ValueError, match=r"k_cache block_size \(dim 1\) must be a positive multiple of 4"):
         empty = torch.zeros(c.num_blocks, 0, 1, 16, dtype=torch.float16)
         qsa.sparse_paged_attention(case.q, empty, empty, *args[3:], route="xqa")

@@ -1,6 +1,7 @@
 """The tiny model and the serving loop: scheduling, greedy decode, bitwise equality across page
 placements, CUDA-graph decode on the GPU."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -50,6 +51,8 @@ def test_serving_config_and_schedule_refuse_nonsense():
         prefill_schedule([5], 0)
     with pytest.raises(TypeError, match="cuda_graph must be a bool"):
         ServingConfig(num_blocks=8, cuda_graph=1)
+    flag = ServingConfig(num_blocks=8, cuda_graph=np.bool_(False)).cuda_graph
+    assert flag is False  # stored as a python bool
 
 
 def test_engine_recovers_from_a_failed_generation():

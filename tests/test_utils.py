@@ -23,6 +23,22 @@ def test_float_checks_refuse_ints_too_large_for_a_float(x):
         utils.check_positive_float("v_scale", x)
 
 
+def test_check_bool_takes_python_and_numpy_bools_only():
+    assert utils.check_bool("flag", True) is True
+    assert utils.check_bool("flag", np.bool_(False)) is False
+    for bad, name in ((1, "int"), (np.int64(0), "numpy.int64"), ("yes", "str"), (None, "NoneType"),
+                      (torch.tensor(True), "torch.Tensor")):
+        with pytest.raises(TypeError, match=f"flag must be a bool, got {name}$"):
+            utils.check_bool("flag", bad)
+
+
+def test_type_names_say_where_a_type_comes_from():
+    assert utils.type_name(1.5) == "float"
+    assert utils.type_name(np.float32(1)) == "numpy.float32"
+    with pytest.raises(TypeError, match="x must be an int, got numpy.float64"):
+        utils.check_int("x", np.float64(2))
+
+
 def test_float_checks_still_take_numbers():
     assert utils.as_finite_float("x", 2) == 2.0
     assert utils.as_finite_float("x", torch.tensor(0.5)) == 0.5

@@ -9,7 +9,7 @@ import torch
 from . import attention, routes
 from .plan import (GroupedPlan, PlanWorkspace, SingleRowPlan, check_plan_inputs, physical_order, plan_groups,
                    plan_single_rows, token_lists)
-from .utils import as_finite_float, check_int, check_tensor, overlaps_itself, same_device
+from .utils import as_finite_float, check_bool, check_int, check_tensor, overlaps_itself, same_device
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 ACT_DTYPES = (torch.float16, torch.bfloat16)
@@ -183,8 +183,7 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 for an FP8 cache, got {value}")
-    if not isinstance(return_lse, bool):
-        raise TypeError(f"return_lse must be a bool, got {type(return_lse).__name__}")
+    return_lse = check_bool("return_lse", return_lse)
     scale = d ** -0.5 if softmax_scale is None else as_finite_float("softmax_scale", softmax_scale)
     kv_fp8 = kv_cache_dtype == "fp8_e4m3"
     if kv_fp8:

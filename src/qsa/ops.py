@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from . import routes
-from .utils import as_finite_float, check_int
+from .utils import as_finite_float, check_bool, check_int
 
 # ----------------------------------------------------------------------------------------------
 # custom ops
@@ -110,12 +110,6 @@ def _(raw_k, token_to_req, positions, kc_cache, block_table, partial, norm_weigh
 # Python wrappers (library signatures)
 
 
-def _bool(name: str, x) -> bool:
-    if not isinstance(x, bool):
-        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
-    return x
-
-
 def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, *,
                            gate=None, kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0,
                            softmax_scale: float | None = None, return_lse: bool = False, route: str = "auto",
@@ -125,9 +119,10 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
     out, lse = torch.ops.qsa.sparse_paged_attention(
         q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, gate, kv_cache_dtype,
         as_finite_float("k_scale", k_scale), as_finite_float("v_scale", v_scale),
-        None if softmax_scale is None else as_finite_float("softmax_scale", softmax_scale), _bool("return_lse", return_lse),
+        None if softmax_scale is None else as_finite_float("softmax_scale", softmax_scale),
+        check_bool("return_lse", return_lse),
         route, None if max_query_len is None else check_int("max_query_len", max_query_len),
-        _bool("rows_sorted", rows_sorted))
+        check_bool("rows_sorted", rows_sorted))
     return (out, lse) if return_lse else out
 
 

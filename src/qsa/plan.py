@@ -31,7 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .utils import INT32_MAX, check_int, check_tensor, interpreter_enabled, launch_options, next_pow2, round_up
+from .utils import (INT32_MAX, check_bool, check_int, check_tensor, interpreter_enabled, launch_options, next_pow2,
+                    round_up)
 
 PAD = 16
 """Plans pad their lists to a multiple of this many entries (a multiple of every kernel tile)."""
@@ -332,10 +333,9 @@ def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *,
         raise ValueError(f"chunk must be None or a power of two >= {PAD}, got {chunk!r}")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be None or a power of two in [1, 32], got {num_warps!r}")
-    if ascending_steps is not None and not isinstance(ascending_steps, bool):
-        raise TypeError(f"ascending_steps must be None or a bool, got {type(ascending_steps).__name__}")
-    if not isinstance(rows_sorted, bool):
-        raise TypeError(f"rows_sorted must be a bool, got {type(rows_sorted).__name__}")
+    if ascending_steps is not None:
+        ascending_steps = check_bool("ascending_steps", ascending_steps)
+    rows_sorted = check_bool("rows_sorted", rows_sorted)
     cap = single_row_capacity(width)
     if out is None:
         out = SingleRowPlan(

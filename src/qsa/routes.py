@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from .utils import check_int, device_facts, interpreter_enabled, next_pow2
+from .utils import check_bool, check_int, device_facts, interpreter_enabled, next_pow2
 
 logger = logging.getLogger("qsa")
 
@@ -389,8 +389,7 @@ def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device
     """
     if max_query_len is not None:
         max_query_len = check_int("max_query_len", max_query_len, 1)
-    if not isinstance(rows_sorted, bool):
-        raise TypeError(f"rows_sorted must be a bool, got {type(rows_sorted).__name__}")
+    rows_sorted = check_bool("rows_sorted", rows_sorted)
     if route not in ROUTES:
         raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
     if route == "reference":

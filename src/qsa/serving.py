@@ -52,7 +52,7 @@ class ServingConfig:
 
     def __post_init__(self):
         from . import routes
-        from .utils import check_int
+        from .utils import check_bool, check_int
 
         for name, least in (("num_blocks", 1), ("block_size", 4), ("max_reqs", 1), ("max_blocks_per_req", 1),
                             ("chunk_size", 1)):
@@ -65,8 +65,7 @@ class ServingConfig:
             raise ValueError(f"plan_order must be 'logical' or 'physical', got {self.plan_order!r}")
         if self.backend is not None and self.backend not in routes.BACKENDS:
             raise ValueError(f"backend must be one of {routes.BACKENDS} or None, got {self.backend!r}")
-        if not isinstance(self.cuda_graph, bool):
-            raise TypeError(f"cuda_graph must be a bool, got {type(self.cuda_graph).__name__}")
+        object.__setattr__(self, "cuda_graph", check_bool("cuda_graph", self.cuda_graph))  # frozen: set once here
         if self.cuda_graph and (self.route == "reference" or self.backend == "torch"):
             # The PyTorch reference and the torch selection read values on the host: no graph captures them.
             raise ValueError("cuda_graph needs the Triton routes and backend, got "

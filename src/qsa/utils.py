@@ -7,6 +7,7 @@ import math
 import numbers
 import os
 
+import numpy as np
 import torch
 
 INT32_MAX = 2**31 - 1
@@ -62,10 +63,23 @@ def check_tensor(name: str, t, *, ndim: int | None = None, dtypes=None, device=N
         raise ValueError(f"{name} must be on {device}, got {t.device}")
 
 
+def type_name(x) -> str:
+    """The name of ``x``'s type for an error message: ``int``, ``numpy.float32``, ``torch.Tensor``."""
+    t = type(x)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
+def check_bool(name: str, x) -> bool:
+    """``x`` as a python bool (a python or numpy bool; not an int, a string or a tensor)."""
+    if not isinstance(x, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type_name(x)}")
+    return bool(x)
+
+
 def check_int(name: str, x, least: int | None = None) -> int:
     """``x`` as an int (a python or numpy integer, not a bool), at least ``least`` when given."""
     if isinstance(x, bool) or not isinstance(x, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+        raise TypeError(f"{name} must be an int, got {type_name(x)}")
     if least is not None and x < least:
         raise ValueError(f"{name} must be an int >= {least}, got {x}")
     return int(x)
@@ -83,7 +97,7 @@ def as_finite_float(name: str, x) -> float:
         if x.dtype.is_complex:
             raise TypeError(f"{name} must be a real float, got a {str(x.dtype).replace('torch.', '')} tensor")
     elif isinstance(x, bool) or not isinstance(x, numbers.Real):
-        raise TypeError(f"{name} must be a float, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a float, got {type_name(x)}")
     try:
         value = float(x)
     except OverflowError:
