@@ -680,3 +680,22 @@ def test_grouped_config_defaults():
     for G in (12, 24):
         wide = qsa.routes.grouped_config(G, 256)
         assert (wide.block_m, wide.num_warps, wide.num_stages, wide.prefetch, wide.lazy_rescale) == (128, 8, 3, True, True)
+
+
+@pytest.mark.parametrize("num_q_heads", [2, 6])
+@pytest.mark.parametrize("group_rows", [1, 3, 4, 6, 7])
+def test_grouped_kernel_takes_plans_of_any_group_size(group_rows, num_q_heads):
+    """``plan_groups`` makes groups of 1..8 rows; the grouped launcher cuts each group into sub-groups
+    that divide it (with the tuned 8 rows per program it wrote nothing for groups of 1..7 rows)."""
+    from qsa.attention import grouped_attention
+    from qsa.plan import plan_groups
+
+    case = make_attention_case(rows=15, num_reqs=3, num_q_heads=num_q_heads, width=16, seed=4)
+    plan = plan_groups(**case.plan_inputs(), group_rows=group_rows)
+    out = torch.full_like(case.q, float("nan"))
+    c = case.cache
+    grouped_attention(case.q, c.k, c.v, plan, out=out, lse=None, gate=None, softmax_scale=16 ** -0.5,
+                      k_scale=1.0, v_scale=1.0, kv_fp8=False)
+    ref, _ = case.run(reference_attention, compute_dtype=torch.float64)
+    torch_out, _ = case.run(reference_attention, compute_dtype=case.q.dtype)
+    assert_close_like_torch(out, ref, torch_out)

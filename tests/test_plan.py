@@ -1,5 +1,8 @@
 """Page4 planner kernels against the loop reference planners: exact ids, masks and counts."""
 
+import dataclasses
+
+import numpy as np
 import pytest
 import torch
 
@@ -329,6 +332,44 @@ def test_bad_inputs_are_named():
         plan_groups(**kw, num_rows=5)
     with pytest.raises(ValueError, match="row_start"):
         plan_single_rows(**kw, row_start=5)
+    for name, fn in (("num_rows", plan_groups), ("group_rows", plan_groups), ("row_start", plan_single_rows),
+                     ("chunk", plan_single_rows)):
+        with pytest.raises(TypeError, match=f"{name} must be an int, got bool"):
+            fn(**kw, **{name: True})
+    with pytest.raises(TypeError, match="workspace must be a PlanWorkspace or None, got torch.Tensor"):
+        plan_groups(**kw, workspace=torch.zeros(1, 64, dtype=torch.int32))
+    with pytest.raises(TypeError, match="workspace.bits must have dtype int32"):
+        plan_groups(**kw, workspace=PlanWorkspace(bits=torch.zeros(1, 64, dtype=torch.int64)))
+    with pytest.raises(TypeError, match="config must be a PlannerConfig or None, got str"):
+        plan_groups(**kw, config="fast")
+    # numpy integers are integers: the same plans
+    ref_single, ref_grouped = plan_single_rows(**kw, chunk=16), plan_groups(**kw, num_rows=3, group_rows=2)
+    single = plan_single_rows(**kw, row_start=np.int64(0), chunk=np.int64(16))
+    grouped = plan_groups(**kw, num_rows=np.int64(3), group_rows=np.int32(2))
+    assert compare_plans(single, ref_single) == [] and compare_plans(grouped, ref_grouped) == []
+    assert grouped.group_rows == 2 and type(grouped.group_rows) is int and type(grouped.num_rows) is int
+
+
+def test_refilled_plans_must_have_the_planners_buffers():
+    """``out=`` buffers are written by the kernels at the plan's shapes: a field of another shape, dtype or
+    layout is refused, naming it (a [G, 1] masks buffer once took writes of [G, capacity])."""
+    case = make_attention_case(rows=12, num_reqs=2, width=8, seed=10)
+    kw = case.plan_inputs()
+    single, grouped = plans(case)
+    for fn, plan, mask_dtype in ((plan_single_rows, single, torch.uint8), (plan_groups, grouped, torch.int32)):
+        n, cap = plan.mb_ids.shape
+        other = torch.int32 if mask_dtype == torch.uint8 else torch.uint8
+        bad = {"masks": [torch.zeros(n, 1, dtype=mask_dtype), torch.zeros(n, cap, dtype=other),
+                         torch.zeros(cap, n, dtype=mask_dtype).t()],
+               "counts": [torch.zeros(1, dtype=torch.int32), torch.zeros(n, dtype=torch.int64)],
+               "mb_ids": [torch.zeros(n, cap, dtype=torch.int64), torch.zeros(n, 2 * cap, dtype=torch.int32)[:, ::2]]}
+        for field, tensors in bad.items():
+            for t in tensors:
+                with pytest.raises((TypeError, ValueError), match=f"out.{field} must"):
+                    fn(**kw, out=dataclasses.replace(plan, **{field: t}))
+        with pytest.raises(TypeError, match="out must be a"):
+            fn(**kw, out=grouped if plan is single else single)
+        assert compare_plans(fn(**kw, out=plan), fn(**kw)) == []  # the right buffers are still taken
 
 
 def test_zero_rows():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import torch
@@ -63,6 +65,11 @@ def grouped_attention(q, k, v, plan: GroupedPlan, *, out, lse, gate, softmax_sca
     hkv = k.shape[2]
     G = hq // hkv
     cfg = config or routes.grouped_config(G, d, kv_fp8)
+    if plan.group_rows % cfg.rows_per_prog:
+        # A program computes whole sub-groups: the most rows that divide the plan's groups (plan_groups
+        # takes 1..8 rows per group; the public routes plan 8).
+        rows = max(r for r in range(1, cfg.rows_per_prog + 1) if plan.group_rows % r == 0)
+        cfg = dataclasses.replace(cfg, rows_per_prog=rows)
     q, qk_scale = scores_scale(q, softmax_scale, k_scale)
     strides, g, lse_t = _common(q, k, v, out, gate, lse)
     subs = plan.group_rows // cfg.rows_per_prog

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from .utils import (INT32_MAX, check_bool, check_int, check_tensor, interpreter_enabled, launch_options, next_pow2,
-                    round_up)
+                    round_up, type_name)
 
 PAD = 16
 """Plans pad their lists to a multiple of this many entries (a multiple of every kernel tile)."""
@@ -292,6 +292,20 @@ def check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, *
             raise ValueError(f"{name} must be contiguous (stride 1), got stride {t.stride(0)}")
 
 
+def _check_plan_buffers(out, cls, n: int, cap: int, mask_dtype: torch.dtype, device, what: str) -> None:
+    """``out`` (a plan to refill) must be a ``cls`` whose buffers are what the planner writes: ``[n, cap]``
+    contiguous ids and masks, ``[n]`` counts, on ``device``. The kernels write them at these shapes."""
+    if not isinstance(out, cls):
+        raise TypeError(f"out must be a {cls.__name__} or None, got {type_name(out)}")
+    for name, t, dtype, shape in (("mb_ids", out.mb_ids, torch.int32, (n, cap)),
+                                  ("masks", out.masks, mask_dtype, (n, cap)),
+                                  ("counts", out.counts, torch.int32, (n,))):
+        check_tensor(f"out.{name}", t, dtypes=dtype, device=device, shape=shape,
+                     what=f"({what}, a plan of the same shapes)")
+        if not t.is_contiguous():
+            raise ValueError(f"out.{name} must be contiguous")
+
+
 def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int,
                      num_blocks: int, out: SingleRowPlan | None = None, row_start: int = 0,
                      chunk: int | None = None, num_warps: int | None = None,
@@ -327,10 +341,13 @@ def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *,
     check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                       num_blocks=num_blocks)
     rows, width = indices.shape
-    if not isinstance(row_start, int) or not 0 <= row_start <= rows:
+    row_start = check_int("row_start", row_start, 0)
+    if row_start > rows:
         raise ValueError(f"row_start must be an int in [0, {rows}], got {row_start!r}")
-    if chunk is not None and (not isinstance(chunk, int) or chunk < PAD or chunk & (chunk - 1)):
-        raise ValueError(f"chunk must be None or a power of two >= {PAD}, got {chunk!r}")
+    if chunk is not None:
+        chunk = check_int("chunk", chunk)
+        if chunk < PAD or chunk & (chunk - 1):
+            raise ValueError(f"chunk must be None or a power of two >= {PAD}, got {chunk!r}")
     if num_warps is not None and num_warps not in (1, 2, 4, 8, 16, 32):
         raise ValueError(f"num_warps must be None or a power of two in [1, 32], got {num_warps!r}")
     if ascending_steps is not None:
@@ -343,10 +360,10 @@ def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *,
             masks=torch.empty((rows, cap), dtype=torch.uint8, device=indices.device),
             counts=torch.empty((rows,), dtype=torch.int32, device=indices.device),
             block_size=block_size, num_blocks=num_blocks)
-    elif out.num_rows != rows or out.capacity != cap:
-        # Exactly: the launches size their splits by the capacity, so a wider buffer could change bits.
-        raise ValueError(f"out must hold [{rows}, {cap}] entries (a plan of the same shapes), "
-                         f"got {tuple(out.mb_ids.shape)}")
+    else:
+        # Exactly [rows, cap]: the launches size their splits by the capacity, so a wider buffer could
+        # change bits.
+        _check_plan_buffers(out, SingleRowPlan, rows, cap, torch.uint8, indices.device, "[rows, capacity]")
     out.block_size, out.num_blocks = block_size, num_blocks
     _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
                out.mb_ids, out.masks, out.counts, emit_tokens=False, row_start=row_start, chunk=chunk,
@@ -375,12 +392,21 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
 
     check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                       num_blocks=num_blocks)
-    if not isinstance(group_rows, int) or not 1 <= group_rows <= MAX_GROUP_ROWS:
+    if not 1 <= check_int("group_rows", group_rows) <= MAX_GROUP_ROWS:
         raise ValueError(f"group_rows must be an int in [1, {MAX_GROUP_ROWS}], got {group_rows!r}")
+    group_rows = int(group_rows)
     rows, width = indices.shape
-    num_rows = rows if num_rows is None else num_rows
-    if not isinstance(num_rows, int) or not 0 <= num_rows <= rows:
+    num_rows = rows if num_rows is None else check_int("num_rows", num_rows, 0)
+    if num_rows > rows:
         raise ValueError(f"num_rows must be an int in [0, {rows}], got {num_rows!r}")
+    if config is not None and not isinstance(config, PlannerConfig):
+        raise TypeError(f"config must be a PlannerConfig or None, got {type_name(config)}")
+    if workspace is not None:
+        if not isinstance(workspace, PlanWorkspace):
+            raise TypeError(f"workspace must be a PlanWorkspace or None, got {type_name(workspace)}")
+        check_tensor("workspace.bits", workspace.bits, dtypes=torch.int32, ndim=2, what="[programs, words]")
+        if workspace.bits.stride(1) != 1 or workspace.programs < 1:
+            raise ValueError("workspace.bits must have at least one row and unit stride along dim 1")
     device = indices.device
     num_groups = -(-num_rows // group_rows)
     cap_g = grouped_capacity(width, group_rows)
@@ -393,10 +419,10 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
             masks=torch.empty((num_groups, cap_g), dtype=torch.int32, device=device),
             counts=torch.empty((num_groups,), dtype=torch.int32, device=device),
             group_rows=group_rows, num_rows=num_rows, block_size=block_size, num_blocks=num_blocks)
-    elif out.num_groups != num_groups or out.capacity != cap_g:
-        # Exactly: the launches size their splits by the capacity, so a wider buffer could change bits.
-        raise ValueError(f"out must hold [{num_groups}, {cap_g}] entries (a plan of the same shapes), "
-                         f"got {tuple(out.mb_ids.shape)}")
+    else:
+        # Exactly [groups, cap]: the launches size their splits by the capacity, so a wider buffer could
+        # change bits.
+        _check_plan_buffers(out, GroupedPlan, num_groups, cap_g, torch.int32, device, "[groups, capacity]")
     out.group_rows, out.num_rows = group_rows, num_rows
     out.block_size, out.num_blocks = block_size, num_blocks
     if num_groups == 0:
