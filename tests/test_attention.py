@@ -699,3 +699,36 @@ def test_grouped_kernel_takes_plans_of_any_group_size(group_rows, num_q_heads):
     ref, _ = case.run(reference_attention, compute_dtype=torch.float64)
     torch_out, _ = case.run(reference_attention, compute_dtype=case.q.dtype)
     assert_close_like_torch(out, ref, torch_out)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's 0 * inf
+@pytest.mark.parametrize("route", ["grouped", "xqa", "splitk"])
+def test_a_non_finite_value_stays_in_its_rows_or_group(route):
+    """A V value of inf in one cache slot: xqa and splitk keep rows apart, so every row that does not
+    read that slot keeps its bits; the grouped route loads a slot once for its 8-row group, and 0 * inf
+    in P @ V can reach the other rows of a group that reads it (README), never a row of another group."""
+    from qsa.reference import _kept_tokens
+
+    case = make_attention_case(rows=24, num_reqs=3, width=16, seed=5)
+    c = case.cache
+    clean = case.run(qsa.sparse_paged_attention, route=route)
+    table, lens = case.block_table.tolist(), case.seq_lens.tolist()
+    reads = []  # (physical block, slot) of each row's kept tokens
+    for r in range(24):
+        req, pos = int(case.token_to_req[r]), int(case.positions[r])
+        kept = _kept_tokens(case.indices[r].tolist(), req, pos, lens, table, c.block_size, c.num_blocks)
+        reads.append({(table[req][t // c.block_size], t % c.block_size) for t in kept})
+    slot = sorted(reads[9])[0]  # a slot row 9 (group 1) reads
+    c.v[slot[0], slot[1]] = float("inf")
+    out = case.run(qsa.sparse_paged_attention, route=route)
+    readers = {r for r in range(24) if slot in reads[r]}
+    spared = {r for r in range(24) if r not in readers and (route != "grouped" or not any(
+        q // 8 == r // 8 for q in readers))}
+    assert 9 in readers and spared
+    if route == "grouped":
+        assert not any(r // 8 == 1 for r in spared)
+    else:
+        assert any(r // 8 == 1 for r in spared)  # rows of row 9's group that read other slots
+    for r in spared:
+        assert torch.equal(out[r], clean[r]), f"row {r} changed"
+    assert not out[9].isfinite().all()  # the row that reads the slot is not finite: the check can fail

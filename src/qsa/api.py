@@ -237,6 +237,11 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
     ``[j*G, (j+1)*G)``. Padding rows (request outside ``[0, num_reqs)`` or position < 0) and empty sets
     give out 0 and lse -inf. Out-of-range index and table values are dropped and never read.
 
+    The cache's values are taken to be finite. A NaN or inf in the V of a token that a row keeps makes
+    that row non-finite on every route; on the grouped route, which loads a token once for its group of 8
+    adjacent rows, it can also make the group's other rows non-finite (``0 * inf`` in ``P @ V``), rows of
+    other requests in the group included. xqa and splitk keep rows apart.
+
     Args:
         q: ``[rows, Hq, D]`` fp16 or bf16.
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` (views of an interleaved
