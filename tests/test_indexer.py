@@ -550,6 +550,9 @@ def test_compressed_key_feeding_refuses_a_zero_width(device):
     (dict(num_blocks=-1), ValueError, "num_blocks must be an int >= 0"),
     (dict(num_blocks=2.0), TypeError, "num_blocks must be an int"),
     (dict(num_reqs=-1), ValueError, "num_reqs must be an int >= 0"),
+    (dict(dtype=torch.int32), TypeError, "dtype must be float16, bfloat16 or float32"),
+    (dict(dtype=torch.float64), TypeError, "dtype must be float16, bfloat16 or float32"),
+    (dict(transform="rope"), TypeError, "transform must be callable or None, got str"),
 ])
 def test_compressed_key_cache_checks_its_geometry(change, exc, match):
     kw = dict(num_blocks=2, block_size=8, num_reqs=1, dim=16, dtype=torch.float32, device="cpu")
@@ -594,6 +597,11 @@ def test_bad_arguments(device):
     with pytest.raises(ValueError, match="partial"):
         ix.update_compressed_keys(torch.zeros(4, 128, device=device), req[:4], pos[:4],
                                   kc, bt, torch.zeros(3, 4, 128, device=device))
+    with pytest.raises(TypeError, match="index_q must be a torch.Tensor"):
+        ix.select_tokens(q.tolist(), kc, bt, req, pos, seq)
+    with pytest.raises(TypeError, match="transform must be callable or None, got int"):
+        ix.update_compressed_keys(torch.zeros(4, 128, device=device), req[:4], pos[:4], kc.float(), bt,
+                                  torch.zeros(bt.shape[0], 3, 128, device=device), transform=3)
 
 
 # GPU: production sizes, bitwise, CUDA graphs

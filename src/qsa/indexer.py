@@ -28,7 +28,7 @@ from .indexer_reference import GROUP
 from .kernels.indexer import block_scores_kernel, clear_invalid_pages_kernel, store_compressed_kernel
 from .kernels.topk import topk_kernel
 from .utils import (INT32_MAX, check_int, check_tensor, device_facts, dot_in_fp32, interpreter_enabled, next_pow2,
-                    overlaps_itself, round_up)
+                    overlaps_itself, round_up, type_name)
 
 MAX_K = 2048
 """Largest ``k`` accepted (blocks per row)."""
@@ -94,6 +94,11 @@ def _check_seq_lens(seq_lens, token_to_req, num_reqs=None) -> None:
     if num_reqs is not None:
         check_tensor("seq_lens", seq_lens, shape=(num_reqs,), what="[num_reqs]")
     _check_same_device("token_to_req", token_to_req, seq_lens=seq_lens)
+
+
+def _check_transform(transform) -> None:
+    if transform is not None and not callable(transform):
+        raise TypeError(f"transform must be callable or None, got {type_name(transform)}")
 
 
 def _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, *, triton: bool = True):
@@ -328,6 +333,7 @@ def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_l
         ...                                  positions, seq_lens)
     """
     k = _check_k(k)
+    check_tensor("index_q", index_q, ndim=3, dtypes=_FLOAT_DTYPES, what="[rows, H_idx, D]")  # before its device
     backend = routes.resolve_backend(backend, index_q.device)
     rows, _, _ = _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens,
                               triton=backend == "triton")
@@ -450,6 +456,7 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
                  what="[num_reqs, 3, D]")
     if not partial.is_contiguous():
         raise ValueError("partial must be contiguous")
+    _check_transform(transform)
     if kc_cache.shape[1] < 1:
         raise ValueError(f"kc_cache must have block_size // 4 >= 1 rows per block, got {tuple(kc_cache.shape)}")
     if kc_cache.stride(2) != 1:
@@ -546,6 +553,9 @@ class CompressedKeyCache:
         if block_size <= 0 or block_size % GROUP:
             raise ValueError(f"block_size must be a positive multiple of 4, got {block_size}")
         check_index_dim("dim", dim)
+        if dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+        _check_transform(transform)
         self.kc_cache = torch.zeros(num_blocks, block_size // GROUP, dim, dtype=dtype, device=device)
         self.partial = torch.zeros(num_reqs, GROUP - 1, dim, dtype=torch.float32, device=device)
         self.transform = transform
