@@ -333,10 +333,10 @@ def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_l
         ...                                  positions, seq_lens)
     """
     k = _check_k(k)
-    check_tensor("index_q", index_q, ndim=3, dtypes=_FLOAT_DTYPES, what="[rows, H_idx, D]")  # before its device
+    rows, _, _ = _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, triton=False)
     backend = routes.resolve_backend(backend, index_q.device)
-    rows, _, _ = _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens,
-                              triton=backend == "triton")
+    if backend == "triton":
+        _check_device(index_q, "index_q")
     width = 4 * k + 3
     if out is None:
         out = torch.empty(rows, width, dtype=torch.int32, device=index_q.device)

@@ -392,9 +392,9 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
 
     check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                       num_blocks=num_blocks)
-    if not 1 <= check_int("group_rows", group_rows) <= MAX_GROUP_ROWS:
+    group_rows = check_int("group_rows", group_rows)
+    if not 1 <= group_rows <= MAX_GROUP_ROWS:
         raise ValueError(f"group_rows must be an int in [1, {MAX_GROUP_ROWS}], got {group_rows!r}")
-    group_rows = int(group_rows)
     rows, width = indices.shape
     num_rows = rows if num_rows is None else check_int("num_rows", num_rows, 0)
     if num_rows > rows:
