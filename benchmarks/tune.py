@@ -35,12 +35,15 @@ GROUPED = [  # rows_per_prog (at most), max tile rows, mb, num_warps, num_stages
     (8, 64, 8, 4, 3, 2, True, False), (8, 64, 8, 4, 3, 2, True, True), (8, 64, 8, 4, 3, 2, False, True),
 ]
 PLANNER = [  # grouped planner: quads per row step, scan step, num_warps, programs_per_sm, layout, flagged
-    # sectors only, table checked in the scan (qsa.plan.PlannerConfig)
+    # sectors only, table checked in the scan, map in shared memory, its emission step (qsa.plan.PlannerConfig)
     *((q, s, w, p, "nibbles", True, True)
       for q, s, w, p in ((32, 2048, 4, 5), (32, 1024, 4, 5), (32, 2048, 4, 8), (64, 2048, 4, 5), (32, 4096, 4, 5),
                          (32, 2048, 8, 4), (64, 4096, 8, 4))),
     *((q, s, w, p, "nibbles", False, False) for q, s, w, p in ((32, 1024, 4, 8), (64, 4096, 8, 4))),
     (32, 1024, 4, 8, "rows", False, False),
+    *((q, s, w, p, "nibbles", False, True, True, e)  # the map in shared memory (grouped_plan_map_kernel)
+      for q, s, w, p, e in ((16, 2048, 4, 4, 128), (16, 2048, 4, 4, 256), (32, 2048, 4, 4, 128),
+                            (32, 2048, 4, 3, 256), (32, 1024, 4, 4, 128), (64, 2048, 8, 2, 256))),
 ]
 ROW_PLANNER = [  # single-row planner: indices per step, warps, scan-free steps (None: the defaults of
     # qsa.plan.row_plan_chunk and row_plan_ascending_steps)
@@ -90,6 +93,8 @@ def workloads(smoke: bool):
         Scenario(name="decode-1", rows=1, num_reqs=1, overlap=None),
         Scenario(name="mtp-8", rows=8, overlap=0.8),
         Scenario(name="mtp-16", rows=16, overlap=0.8),
+        Scenario(name="prefill-128k-o80", context=128 * K, overlap=0.8),
+        Scenario(name="prefill-8k-o80", context=8 * K, overlap=0.8),
         Scenario(name="prefill-8k-12-1", rows=2048, context=8 * K, num_q_heads=12, overlap=0.8),
         Scenario(name="prefill-8k-24-2", rows=2048, context=8 * K, num_q_heads=24, num_kv_heads=2, overlap=0.8),
     ]
@@ -108,7 +113,8 @@ def main(argv=None) -> int:
     grouped_settings = (GROUPED[0], GROUPED[3]) if args.smoke else GROUPED
     split_settings = (SPLIT[0], SPLIT[3]) if args.smoke else SPLIT
     splitk_settings = (SPLITK[0], SPLITK[2]) if args.smoke else SPLITK
-    planner_settings = (PLANNER[0], PLANNER[-1]) if args.smoke else PLANNER
+    planner_settings = ((PLANNER[0], next(s for s in PLANNER if s[4] == "rows"), PLANNER[-1]) if args.smoke
+                        else PLANNER)
     row_planner_settings = (ROW_PLANNER[0], (16, 4, True)) if args.smoke else ROW_PLANNER
     direct_splits = (3,) if args.smoke else DIRECT_SPLITS
     direct_resolved = (DIRECT_RESOLVED[0],) if args.smoke else DIRECT_RESOLVED

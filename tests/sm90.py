@@ -18,10 +18,11 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
 from qsa import routes
-from qsa.plan import PLANNER, PLANNER_FEW, PLANNER_SHORT
+from qsa.plan import MAP_LIST_WORDS, PLANNER, PLANNER_FEW, PLANNER_MAP, PLANNER_SHORT, SHARED_MAP_MICROBLOCKS
 from qsa.kernels.common import merge_splits_kernel
 from qsa.kernels.grouped import grouped_attention_kernel
-from qsa.kernels.plan import grouped_plan_kernel, single_row_plan_kernel, single_row_sort_plan_kernel
+from qsa.kernels.plan import (LIST_WORDS, SHARED_MAP_MICROBLOCKS as KERNEL_MAP_MICROBLOCKS, grouped_plan_kernel,
+                              grouped_plan_map_kernel, single_row_plan_kernel, single_row_sort_plan_kernel)
 from qsa.kernels.splitk import splitk_attention_kernel
 from qsa.kernels.xqa import xqa_attention_kernel, xqa_direct_kernel, xqa_direct_merge_kernel
 from qsa.kernels.cache_write import cache_write_kernel
@@ -113,9 +114,11 @@ FLAGS = dict(HEAD_DIM=256, BLOCK_SIZE=16, HAS_GATE=True, RETURN_LSE=True, PDL=Tr
 
 def assert_resident(programs_per_sm: int, num_warps: int, usage: dict, what) -> None:
     """``programs_per_sm`` programs of a kernel with this resource usage fit one SM at once: registers,
-    and shared memory (each program also holds 1 KB of the SM's shared memory for the system)."""
+    and shared memory (each program also holds 1 KB of the SM's shared memory for the system, which
+    cuobjdump counts in the static shared memory)."""
     assert programs_per_sm * 32 * num_warps * usage["regs"] <= 65536, (what, usage)
-    assert programs_per_sm * (usage["shared"] + 1024) <= SM_SHARED, (what, usage)
+    static = max(usage.get("shared_static", 0), 1024)
+    assert programs_per_sm * (usage["shared"] + static) <= SM_SHARED, (what, usage)
 
 
 def check_grouped_kernel(act, cache, G):
@@ -277,6 +280,16 @@ def check_merge_and_planner_kernels():
                 # The persistent grid is resident at once: more programs than fit an SM would only wait for
                 # a free slot (PLANNER_FEW launches fewer programs than SMs).
                 assert_resident(cfg.programs_per_sm, cfg.num_warps, usage, cfg)
+    # The planner over a map in shared memory: its static map, a program's whole grid resident at once.
+    usage = compile_sm90(grouped_plan_map_kernel, groups,
+                         dict(GROUP_ROWS=8, BLOCK_Q=8, BLOCK_SIZE=16, QUADS=PLANNER_MAP.quads, SCAN=PLANNER_MAP.scan,
+                              CH=PLANNER_MAP.emit, LIST=MAP_LIST_WORDS, PAD=16, SHARED=True, PTX=True),
+                         num_warps=PLANNER_MAP.num_warps,
+                         divisible={p.name for p in grouped_plan_map_kernel.params
+                                    if p.name in ("XCAP", "map_off", "flag_off", "list_off") or p.name.startswith("stride_")})
+    assert (KERNEL_MAP_MICROBLOCKS.value, LIST_WORDS.value) == (SHARED_MAP_MICROBLOCKS, MAP_LIST_WORDS)
+    assert usage["shared_static"] == 4 * (SHARED_MAP_MICROBLOCKS * 9 // 32 + MAP_LIST_WORDS) + 1024, usage
+    assert_resident(PLANNER_MAP.programs_per_sm, PLANNER_MAP.num_warps, usage, PLANNER_MAP)
 
 
 ONE_ARGS = {  # integer arguments a launch may pass as 1

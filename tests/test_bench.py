@@ -492,6 +492,7 @@ def test_tune_smoke_checks_and_times_every_setting(tmp_path, monkeypatch):
     assert row_planners == {(None, None, None), (16, 4, True)}
     layouts = {r["setting"][4] for r in records if r["what"] == "plan-grouped" and r["setting"] != "-"}
     assert layouts == {"nibbles", "rows"}
+    assert any(len(r["setting"]) >= 8 and r["setting"][7] for r in records if r["what"] == "plan-grouped")  # the map
     direct = [r["setting"] for r in records if r["what"] == "direct-attn"]
     assert {len(s) >= 6 and s[5] for s in direct} == {False, True}  # entries resolved before the loop or not
     assert any(len(s) >= 8 and s[7] for s in direct)  # the deferred row check

@@ -313,7 +313,9 @@ def test_cuda_graph_replay_matches_eager():
 
 @pytest.mark.parametrize("config,ptx", [(qsa.plan.PLANNER, True), (qsa.plan.PLANNER, False),
                                         (qsa.plan.PLANNER_FEW, True), (qsa.plan.PLANNER_SHORT, True),
-                                        (qsa.plan.PlannerConfig(layout="rows"), True)])
+                                        (qsa.plan.PlannerConfig(layout="rows"), True),
+                                        (qsa.plan.PlannerConfig(shared_map=True, programs_per_sm=2), True),
+                                        (qsa.plan.PlannerConfig(shared_map=True, scan=512), False)])
 def test_planners_match_reference_at_real_width(config, ptx, monkeypatch):
     """Rows of 2051 indices (shuffled, with duplicates and wild values) over 3 requests and an
     aliased prefix page: the GPU planners equal the loop reference planners exactly (the grouped
@@ -343,6 +345,34 @@ def test_planners_match_reference_at_real_width(config, ptx, monkeypatch):
     tail = lambda p: type(p)(p.mb_ids[72:].cpu(), p.masks[72:].cpu(), p.counts[72:].cpu(),  # noqa: E731
                              p.block_size, p.num_blocks)
     assert compare_plans(tail(single), tail(ref_single)) == []
+
+
+def test_shared_map_planner_whole_microblocks():
+    """The planner over a shared-memory map with rows as select_tokens writes them (whole microblocks: the
+    shared-memory path), partial quads mixed in, over 3 requests and an invalid table entry, at 16K and at
+    the map's full width: the reference plan, the same plan again from the same workspace, and the
+    workspace left zero."""
+    from qsa.kernels.plan import SHARED_MAP_MICROBLOCKS as KERNEL_WIDTH
+    from qsa.plan import SHARED_MAP_MICROBLOCKS, PlannerConfig, PlanWorkspace, plan_groups
+    from qsa.reference import compare_plans, reference_grouped_plan
+
+    assert KERNEL_WIDTH.value == SHARED_MAP_MICROBLOCKS
+    cfg = PlannerConfig(shared_map=True, programs_per_sm=1)
+    for context in (16384, 4 * SHARED_MAP_MICROBLOCKS):
+        c = qsa_case(rows=75, context=context, num_reqs=3, head_dim=16, seed=10)
+        idx = c["indices"].clone()
+        idx[3::9, 100:103] = idx[3::9, 101:104]  # a few partial quads
+        table = c["block_table"].clone()
+        table[2, 7] = -1
+        inputs = dict(indices=idx, block_table=table, token_to_req=c["token_to_req"], positions=c["positions"],
+                      seq_lens=c["seq_lens"], block_size=16, num_blocks=c["kv"].shape[0])
+        cpu = {k: v.cpu() if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        ref = reference_grouped_plan(**cpu)
+        assert table.shape[1] * 4 <= SHARED_MAP_MICROBLOCKS
+        ws = PlanWorkspace.for_plan(table, block_size=16, num_groups=10, config=cfg)
+        for _ in range(2):
+            assert compare_plans(plan_groups(**inputs, config=cfg, workspace=ws), ref) == []
+            assert int(ws.state.count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("rows,route", [(8, "auto"), (300, "xqa"), (300, "splitk"), (2048, "grouped")])

@@ -229,9 +229,30 @@ def test_planner_settings_give_one_plan(quads, scan, layout, summary, late):
     assert compare_plans(plan_groups(**case.plan_inputs(), config=cfg), ref) == []
 
 
-@pytest.mark.parametrize("quads,scan,summary,late", [(1, 16, True, False), (2, 32, True, True), (32, 1024, True, False),
-                                                     (32, 1024, False, False), (32, 1024, True, True)])
-def test_planner_whole_quads_over_long_contexts(quads, scan, summary, late):
+@pytest.mark.parametrize("quads,scan,emit,list_words", [(1, 32, 4, 1536), (2, 64, 16, 1536), (64, 2048, 128, 1536),
+                                                         (1, 32, 2, 12), (2, 32, 4, 9)])
+def test_map_planner_gives_the_plan(quads, scan, emit, list_words, monkeypatch):
+    """The planner over a byte map (``shared_map``; in the interpreter the map lives in the workspace)
+    gives the reference plan for messy rows: steps of one quad, listing steps shorter than the table,
+    emission steps of a few words, lists that fill and flush every step or two."""
+    import qsa.plan
+    from qsa.plan import PlannerConfig
+
+    monkeypatch.setattr(qsa.plan, "MAP_LIST_WORDS", list_words)
+    case = make_attention_case(rows=19, num_reqs=3, block_size=16, width=22, seed=12)
+    ref = reference_grouped_plan(**case.plan_inputs())
+    cfg = PlannerConfig(quads=quads, scan=scan, num_warps=4, programs_per_sm=1, shared_map=True, emit=emit)
+    ws = PlanWorkspace.for_plan(case.block_table, block_size=16, num_groups=3, config=cfg)
+    for _ in range(2):
+        assert compare_plans(plan_groups(**case.plan_inputs(), config=cfg, workspace=ws), ref) == []
+        assert int(ws.state.count_nonzero()) == 0, "the map and the nibble words must be left zero"
+
+
+@pytest.mark.parametrize("quads,scan,summary,late,shared_map", [
+    (1, 16, True, False, False), (2, 32, True, True, False), (32, 1024, True, False, False),
+    (32, 1024, False, False, False), (32, 1024, True, True, False), (1, 32, True, True, True),
+    (32, 1024, True, True, True)])
+def test_planner_whole_quads_over_long_contexts(quads, scan, summary, late, shared_map):
     """Contexts of thousands of tokens, odd rows as select_tokens writes them (whole microblocks, each in
     one index quad: the one-lookup path of the bitmap pass), even rows scattered tokens (the per-token
     path), invalid table entries included; many scan steps at the small settings. Scratch left zero."""
@@ -248,7 +269,8 @@ def test_planner_whole_quads_over_long_contexts(quads, scan, summary, late):
         case.indices[r] = row
     ref = reference_grouped_plan(**case.plan_inputs())
     assert int(ref.counts.sum()) > 100 and case.block_table.shape[1] * 4 > 1024
-    cfg = PlannerConfig(quads=quads, scan=scan, num_warps=4, programs_per_sm=1, summary=summary, late_table=late)
+    cfg = PlannerConfig(quads=quads, scan=scan, num_warps=4, programs_per_sm=1, summary=summary, late_table=late,
+                        shared_map=shared_map)
     ws = PlanWorkspace.for_plan(case.block_table, block_size=16, num_groups=3, config=cfg)
     for _ in range(2):
         assert compare_plans(plan_groups(**case.plan_inputs(), config=cfg, workspace=ws), ref) == []
@@ -256,14 +278,15 @@ def test_planner_whole_quads_over_long_contexts(quads, scan, summary, late):
 
 
 def test_planner_config_by_shape():
-    """Many groups over a long table scan flagged sectors, over a short one every word; the choice
-    depends on shapes only (fixed for a CUDA graph)."""
-    from qsa.plan import PLANNER, PLANNER_SHORT, SHORT_MICROBLOCKS, planner_config
+    """Many groups over a long table scan flagged sectors, over a short one every word (the shared map is
+    opt-in); the choice depends on shapes only (fixed for a CUDA graph)."""
+    from qsa.plan import PLANNER, PLANNER_MAP, PLANNER_SHORT, SHARED_MAP_MICROBLOCKS, SHORT_MICROBLOCKS, planner_config
 
     assert planner_config(1024, "cpu", SHORT_MICROBLOCKS) is PLANNER_SHORT
     assert planner_config(1024, "cpu", SHORT_MICROBLOCKS + 1) is PLANNER
+    assert planner_config(1024, "cpu", SHARED_MAP_MICROBLOCKS) is PLANNER
     assert planner_config(1024, "cpu") is PLANNER
-    assert PLANNER.summary and not PLANNER_SHORT.summary and PLANNER_SHORT.late_table
+    assert PLANNER.summary and not PLANNER_SHORT.summary and PLANNER_SHORT.late_table and PLANNER_MAP.shared_map
 
 
 # Known-wrong planners: the checks above must reject each of them.

@@ -131,6 +131,11 @@ class PlannerConfig:
         late_table: "nibbles" only: the bitmap pass sets the bits of every token the table-free checks
             keep, and the scan drops microblocks whose block-table entry is invalid (else the bitmap
             pass looks each one up).
+        shared_map: gather the rows' bits in a byte per microblock in shared memory
+            (``grouped_plan_map_kernel``; tables of at most ``SHARED_MAP_MICROBLOCKS`` logical
+            microblocks, else the settings above apply); ``scan`` is then the step that lists live map
+            words (at most 2048 microblocks), ``quads`` its pass's step.
+        emit: ``shared_map`` only: live map words (4 microblocks each) per emission step, a power of two.
     """
 
     quads: int = 32
@@ -140,6 +145,8 @@ class PlannerConfig:
     layout: str = "nibbles"
     summary: bool = True
     late_table: bool = True
+    shared_map: bool = False
+    emit: int = 128
 
 
 PLANNER = PlannerConfig(programs_per_sm=3)
@@ -167,6 +174,10 @@ of the touched range scanned in steps of 1024, the table checked in the scan. On
 0.069 ms (0.078); 32K 0.089 ms (0.094 at overlap 0.8, 0.089 at 0.98); 64K: 0.099 ms with ``PLANNER``
 (``benchmarks/results/experiments/2026-11-30-0441-grouped-planner-contexts-nvidia-h200.json``)."""
 
+PLANNER_MAP = PlannerConfig(quads=16, scan=2048, num_warps=4, programs_per_sm=4, summary=False, shared_map=True,
+                            emit=128)
+"""The grouped planner over a map in shared memory (``grouped_plan_map_kernel``)."""
+
 SHORT_MICROBLOCKS = 8192
 """Tables up to this many logical microblocks (``max_blocks * block_size // 4``) take ``PLANNER_SHORT``."""
 
@@ -182,6 +193,14 @@ def planner_config(num_groups: int, device, microblocks: int | None = None) -> P
         return PLANNER_FEW
     return PLANNER_SHORT if microblocks is not None and microblocks <= SHORT_MICROBLOCKS else PLANNER
 
+SHARED_MAP_MICROBLOCKS = 36864
+"""Tables up to this many logical microblocks (144K tokens) fit the shared-memory map of
+``grouped_plan_map_kernel`` (``PlannerConfig.shared_map``; ``kernels.plan.SHARED_MAP_MICROBLOCKS``)."""
+
+MAP_LIST_WORDS = 1536
+"""Words of the list of live map words in ``grouped_plan_map_kernel`` (``kernels.plan.LIST_WORDS``; fewer
+only to test the list's flushes)."""
+
 PTX_SCAN = True
 """On a GPU, the grouped planner's scans load and store scattered entries with inline PTX in their own
 layout (``_store_i32`` in ``kernels/plan.py``)."""
@@ -193,9 +212,11 @@ PLANNER_SCRATCH_BYTES = 256 << 20
 def scratch_words(microblocks: int) -> tuple[int, int]:
     """(bitmap words, scratch words) of one grouped-planner program for ``microblocks`` logical
     microblocks: the bitmap (one int32 per microblock, a multiple of 512, so that every part starts on
-    16 bytes), one flag byte per 8-word sector of it, and the list of flagged sectors."""
+    16 bytes), one flag byte per 8-word sector of it and the list of flagged sectors
+    (``grouped_plan_kernel``), then a byte per microblock, a flag bit per microblock and a list of 1536 words
+    (``grouped_plan_map_kernel`` when its map is not in shared memory)."""
     words = round_up(max(microblocks, 1), 512)
-    return words, words + words // 32 + words // 8
+    return words, words * 46 // 32 + 1536
 
 
 @dataclass
@@ -238,19 +259,20 @@ class PlanWorkspace:
 
     @property
     def microblocks(self) -> int:
-        """Logical microblocks the bitmap covers (the inverse of :func:`scratch_words`: W + W/32 + W/8 words)."""
-        return self.bits.shape[1] * 32 // 37
+        """Logical microblocks the bitmap covers (the inverse of :func:`scratch_words`: 46 W / 32 + 1536 words)."""
+        return max(self.bits.shape[1] - 1536, 0) * 32 // 46
 
     @property
     def state(self) -> torch.Tensor:
-        """The bitmaps and sector flags: zero between calls (the sector list is written before it is read)."""
+        """The bitmaps, the sector flags and the byte map with its flags (a copy): zero between calls (the
+        lists are written before they are read)."""
         words = self.microblocks
-        return self.bits[:, :words + words // 32]
+        return torch.cat([self.bits[:, :words + words // 32], self.bits[:, words * 37 // 32:words * 46 // 32]], 1)
 
 
 def planner_programs(num_groups: int, device, *, microblocks: int = 0, config: PlannerConfig = PLANNER) -> int:
     """Persistent grid of the grouped planner: a few programs per SM, never more than groups, and
-    no more than keep the scratch (:func:`scratch_words`, 4.6 bytes per logical microblock per program) under
+    no more than keep the scratch (:func:`scratch_words`, 5.1 bytes per logical microblock per program) under
     :data:`PLANNER_SCRATCH_BYTES` (at least one per SM)."""
     from .utils import device_facts
 
@@ -388,7 +410,7 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
     Returns:
         GroupedPlan with ``ceil(num_rows / group_rows)`` groups.
     """
-    from .kernels.plan import grouped_plan_kernel
+    from .kernels.plan import grouped_plan_kernel, grouped_plan_map_kernel
 
     check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                       num_blocks=num_blocks)
@@ -437,6 +459,24 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
     programs = min(workspace.programs, num_groups)
     if config.layout not in ("nibbles", "rows"):
         raise ValueError(f"config.layout must be 'nibbles' or 'rows', got {config.layout!r}")
+    ptx = PTX_SCAN and device.type == "cuda" and not interpreter_enabled()
+    quads = min(config.quads, max(1, next_pow2(-(-width // 4))))
+    if config.shared_map and microblocks <= SHARED_MAP_MICROBLOCKS:
+        shared = device.type == "cuda" and not interpreter_enabled()
+        map_mb = SHARED_MAP_MICROBLOCKS if shared else workspace.microblocks  # the map: shared, or in the workspace
+        scan = max(32, min(config.scan, 2048, next_pow2(microblocks)))
+        grouped_plan_map_kernel[(programs,)](
+            indices, block_table, token_to_req, positions, seq_lens,
+            out.mb_ids, out.masks, out.counts, workspace.bits,
+            width, num_rows, num_groups, programs, block_table.shape[0], block_table.shape[1], num_blocks,
+            workspace.microblocks, workspace.microblocks * 37 // 32, map_mb // 4, map_mb // 4 + map_mb // 32,
+            workspace.bits.stride(0), indices.stride(0), block_table.stride(0),
+            out.mb_ids.stride(0), out.masks.stride(0),
+            GROUP_ROWS=group_rows, BLOCK_Q=next_pow2(group_rows), BLOCK_SIZE=block_size, QUADS=quads,
+            SCAN=scan, CH=config.emit, LIST=MAP_LIST_WORDS, PAD=PAD, SHARED=shared, PTX=ptx,
+            num_warps=config.num_warps, **launch_options(device),
+        )
+        return out
     scan = min(config.scan, max(PAD, next_pow2(microblocks)))
     grouped_plan_kernel[(programs,)](
         indices, block_table, token_to_req, positions, seq_lens,
@@ -445,10 +485,9 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
         workspace.microblocks, workspace.bits.stride(0), indices.stride(0), block_table.stride(0),
         out.mb_ids.stride(0), out.masks.stride(0),
         GROUP_ROWS=group_rows, BLOCK_Q=next_pow2(group_rows), BLOCK_SIZE=block_size,
-        QUADS=min(config.quads, max(1, next_pow2(-(-width // 4)))),
-        SCAN=scan, LAYOUT=0 if config.layout == "nibbles" else 1,
+        QUADS=quads, SCAN=scan, LAYOUT=0 if config.layout == "nibbles" else 1,
         PAD=PAD, SYNC_SCAN=scan < 256 * config.num_warps, SUMMARY=config.summary and config.layout == "nibbles",
-        PTX=PTX_SCAN and device.type == "cuda" and not interpreter_enabled(),
+        PTX=ptx,
         LATE_TABLE=config.late_table and config.layout == "nibbles",
         num_warps=config.num_warps, **launch_options(device),
     )

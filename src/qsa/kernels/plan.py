@@ -410,6 +410,17 @@ def _load_i32(p, m, PTX: tl.constexpr):
         return tl.load(p, mask=m, other=0)
 
 
+@triton.jit
+def _load_cg_i32(p, m, PTX: tl.constexpr):
+    """``_load_i32`` through the L2 only (words that global atomics wrote)."""
+    if PTX:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.cg.b32 $0, [$1]; }",
+            "=r,l,r", [p, m.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return tl.load(p, mask=m, other=0, cache_modifier=".cg")
+
+
 LAYOUT_NIBBLES = tl.constexpr(0)  # scratch word x: row q's bits of microblock x at 4q .. 4q + 3
 LAYOUT_ROWS = tl.constexpr(1)  # row q's own bitmap: word x // 8, microblock x at 4 * (x % 8) .. + 3
 
@@ -694,6 +705,291 @@ def grouped_plan_kernel(
 
         tl.store(g_counts_ptr + g, count)
         # Pad to a whole tile with (first id, mask 0): a real microblock some row uses.
+        first_id = tl.load(p_gids, mask=count > 0, other=0, cache_modifier=".cg")
+        o_pad = count + tl.arange(0, PAD)
+        m_pad = o_pad < (count + PAD - 1) // PAD * PAD
+        tl.store(p_gids + o_pad, tl.zeros([PAD], tl.int32) + first_id, mask=m_pad)
+        tl.store(p_gmasks + o_pad, tl.zeros([PAD], tl.int32), mask=m_pad)
+        g += num_programs
+
+
+# --- The grouped planner over a map in shared memory -------------------------------------------------------
+
+SHARED_MAP_MICROBLOCKS = tl.constexpr(36864)
+LIST_WORDS = tl.constexpr(1536)
+"""Logical microblocks the shared-memory map of ``grouped_plan_map_kernel`` covers (144K tokens): a byte
+and a flag bit per microblock, then a list of ``LIST_WORDS`` words, 47616 bytes of static shared memory
+(the PTX limit is 48 KB)."""
+
+
+@triton.jit
+def _shared_map_base(x, SHARED: tl.constexpr):
+    """Shared-window address of the program's map (``SHARED``: a static ``.shared`` array of
+    ``SHARED_MAP_MICROBLOCKS * 9 // 32 + LIST_WORDS`` words, declared once at the kernel's top); 0 otherwise."""
+    if SHARED:
+        return tl.inline_asm_elementwise(
+            ".shared .align 16 .b32 qsa_plan_map[11904];\n\tmov.u32 $0, qsa_plan_map;",
+            "=r,r", [x], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return x * 0
+
+
+@triton.jit
+def _map_or(p_map, base, word, val, m, SHARED: tl.constexpr):
+    """OR ``val`` into map word ``word`` where ``m`` (shared memory, or the global ``p_map``)."""
+    if SHARED:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p red.shared.or.b32 [$1], $3; mov.b32 $0, 0; }",
+            "=r,r,r,r", [base + 4 * word, m.to(tl.int32), val], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.atomic_or(p_map + word, val, mask=m, sem="relaxed")
+
+
+@triton.jit
+def _map_load(p_map, base, word, m, SHARED: tl.constexpr):
+    """Map word ``word`` where ``m``, else 0."""
+    if SHARED:
+        return tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.shared.b32 $0, [$1]; }",
+            "=r,r,r", [base + 4 * word, m.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        return tl.load(p_map + word, mask=m, other=0, cache_modifier=".cg")
+
+
+@triton.jit
+def _map_store(p_map, base, word, val, m, SHARED: tl.constexpr):
+    """Store ``val`` to map word ``word`` where ``m``."""
+    if SHARED:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.shared.b32 [$1], $3; mov.b32 $0, 0; }",
+            "=r,r,r,r", [base + 4 * word, m.to(tl.int32), val], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(p_map + word, val, mask=m)
+
+
+@triton.jit
+def _map_zero(p_map, base, word, m, SHARED: tl.constexpr):
+    """Zero map word ``word`` where ``m``."""
+    if SHARED:
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.shared.b32 [$1], 0; mov.b32 $0, 0; }",
+            "=r,r,r", [base + 4 * word, m.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.store(p_map + word, tl.zeros(word.shape, tl.int32), mask=m)
+
+
+@triton.jit
+def _row_bits_to_nibbles(b):
+    """Byte ``b`` (bit q: row q's whole microblock) as the plan's mask: nibble q all ones where bit q is set."""
+    b = (b | (b << 12)) & 0x000F000F
+    b = (b | (b << 6)) & 0x03030303
+    b = (b | (b << 3)) & 0x11111111
+    return b * 15
+
+
+@triton.jit
+def _or_partial(p_bits, p_map, base, flag_off, b_x, b_nib, b_q, b_ok, SHARED: tl.constexpr):
+    """Token bits ``b_nib`` of row ``b_q`` in microblock ``b_x`` that do not make a whole microblock: ORed
+    into the global nibble word of ``b_x``, and ``b_x`` flagged in the map."""
+    tl.atomic_or(p_bits + b_x, b_nib << (4 * b_q), mask=b_ok, sem="relaxed")
+    _map_or(p_map, base, flag_off + (b_x >> 5), 1 << (b_x & 31), b_ok, SHARED)
+
+
+@triton.jit
+def _or_quads_map(p_bits, p_map, base, flag_off, t0, t1, t2, t3, k0, k1, k2, k3, b_q, XCAP, SHARED: tl.constexpr):
+    """``_or_quads`` for the map: a quad whose kept tokens are one whole microblock (as select_tokens
+    emits them) sets bit ``b_q`` of the microblock's map byte; other kept tokens take the partial path.
+    Returns the lowest and highest logical microblock of each quad's kept tokens (XCAP, -1: none)."""
+    x0 = t0 >> 2
+    x1 = t1 >> 2
+    x2 = t2 >> 2
+    x3 = t3 >> 2
+    lo = tl.minimum(tl.minimum(tl.where(k0, x0, XCAP), tl.where(k1, x1, XCAP)),
+                    tl.minimum(tl.where(k2, x2, XCAP), tl.where(k3, x3, XCAP)))
+    hi = tl.maximum(tl.maximum(tl.where(k0, x0, -1), tl.where(k1, x1, -1)),
+                    tl.maximum(tl.where(k2, x2, -1), tl.where(k3, x3, -1)))
+    one = lo == hi
+    nib = (tl.where(k0, 1 << (t0 & 3), 0) | tl.where(k1, 1 << (t1 & 3), 0)
+           | tl.where(k2, 1 << (t2 & 3), 0) | tl.where(k3, 1 << (t3 & 3), 0))
+    whole = one & (nib == 15)
+    _map_or(p_map, base, lo >> 2, (1 << b_q) << (8 * (lo & 3)), whole, SHARED)
+    _or_partial(p_bits, p_map, base, flag_off, lo, nib, b_q, one & ~whole, SHARED)
+    split = ~one
+    _or_partial(p_bits, p_map, base, flag_off, x0, 1 << (t0 & 3), b_q, k0 & split, SHARED)
+    _or_partial(p_bits, p_map, base, flag_off, x1, 1 << (t1 & 3), b_q, k1 & split, SHARED)
+    _or_partial(p_bits, p_map, base, flag_off, x2, 1 << (t2 & 3), b_q, k2 & split, SHARED)
+    _or_partial(p_bits, p_map, base, flag_off, x3, 1 << (t3 & 3), b_q, k3 & split, SHARED)
+    return lo, hi
+
+
+@triton.jit
+def grouped_plan_map_kernel(
+    idx_ptr,  # [rows, W] int32 token indices
+    bt_ptr,  # [num_reqs, max_blocks] int32 block table
+    req_ptr,  # [rows] int32|int64 token_to_req
+    pos_ptr,  # [rows] int32|int64 positions
+    seq_lens_ptr,  # [num_reqs] int32
+    g_ids_ptr,  # [groups, cap_g] int32 out: physical microblock ids
+    g_masks_ptr,  # [groups, cap_g] int32 out: bit 4q + t % 4
+    g_counts_ptr,  # [groups] int32 out
+    bits_ptr,  # [programs, stride_bits] int32 scratch: XCAP nibble words, zero between calls, and (not SHARED)
+    # the map at map_off (zero between calls but for its list)
+    W,
+    num_rows,
+    num_groups,
+    num_programs,
+    num_reqs,
+    max_blocks,
+    num_blocks,
+    XCAP,  # nibble words per program (a multiple of 512, at least the table's logical microblocks)
+    map_off,  # without SHARED: the map's first scratch word (XCAP * 37 // 32, after grouped_plan_kernel's parts)
+    flag_off,  # the map's first flag word: its microblocks (SHARED_MAP_MICROBLOCKS with SHARED, else XCAP) // 4
+    list_off,  # the map's live-word list (LIST_WORDS words): flag_off + its microblocks // 32
+    stride_bits,
+    stride_idx_row,
+    stride_bt_req,
+    stride_g_ids,
+    stride_g_masks,
+    GROUP_ROWS: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # power of two >= GROUP_ROWS
+    BLOCK_SIZE: tl.constexpr,
+    QUADS: tl.constexpr,  # index quads per row per step
+    SCAN: tl.constexpr,  # logical microblocks per listing step (a multiple of 32, at most 4 * LIST_WORDS)
+    CH: tl.constexpr,  # live map words per emission step
+    LIST: tl.constexpr,  # the list's words: LIST_WORDS (fewer only to test its flushes)
+    PAD: tl.constexpr,
+    SHARED: tl.constexpr,  # the map in static shared memory (GPU only; the table's microblocks must fit it)
+    PTX: tl.constexpr = False,  # the emission's scattered stores as inline PTX (GPU only)
+    PDL: tl.constexpr = 0,
+):
+    """``grouped_plan_kernel``'s union, with the rows' bits gathered in a map of a byte per logical
+    microblock (bit q: row q keeps the whole microblock) in the program's shared memory.
+
+    The bitmap pass of ``grouped_plan_kernel`` spends most of its time in the L2's atomic operations, one
+    per index quad. Here a quad that is one whole microblock (every quad select_tokens emits but the causal
+    tail's) ORs its row's bit into the map with a shared-memory reduction; only other kept tokens take a
+    global atomic on the microblock's nibble word and flag the microblock in the map (a bit per
+    microblock after the bytes). The scan reads the map over the touched range in ascending order, turns
+    each byte into nibbles, ORs in the nibble word of a flagged microblock (and zeroes it), checks the
+    block table and emits the entry, then zeroes the map. Plans are those of ``grouped_plan_kernel``: the
+    map and words are ORed in any order, and the scan order is the microblocks'.
+
+    Without ``SHARED`` (the interpreter) the map lives in the scratch after the nibble words, with
+    global atomics: the same steps, testable on the CPU.
+    """
+    enter_launch(PDL)
+    pid = tl.program_id(0)
+    p_bits = bits_ptr + pid.to(tl.int64) * stride_bits
+    p_map = p_bits + map_off
+    base = _shared_map_base(pid, SHARED)
+    o_q = tl.arange(0, BLOCK_Q)
+    o_a = tl.arange(0, QUADS)
+    PER_BLOCK: tl.constexpr = BLOCK_SIZE // 4
+    STEP: tl.constexpr = 4 * QUADS
+    SW: tl.constexpr = SCAN // 4
+    o_s = tl.arange(0, SW)
+    o_h = tl.arange(0, CH)
+    o_j = tl.arange(0, 4)
+    if SHARED:  # static shared memory starts undefined
+        MAP_WORDS: tl.constexpr = SHARED_MAP_MICROBLOCKS * 9 // 32 + LIST_WORDS
+        o_z = tl.arange(0, 1024)
+        for z in range(0, MAP_WORDS, 1024):
+            _map_zero(p_map, base, z + o_z, z + o_z < MAP_WORDS, SHARED)
+        tl.debug_barrier()
+
+    g = pid
+    while g < num_groups:
+        row0 = g.to(tl.int64) * GROUP_ROWS
+        m_q = (o_q < GROUP_ROWS) & (row0 + o_q < num_rows)
+        b_req = tl.load(req_ptr + row0 + o_q, mask=m_q, other=-1).to(tl.int64)
+        b_pos = tl.load(pos_ptr + row0 + o_q, mask=m_q, other=-1).to(tl.int64)
+        b_pending = m_q & (b_req >= 0) & (b_req < num_reqs) & (b_pos >= 0)
+        p_gids = g_ids_ptr + g.to(tl.int64) * stride_g_ids
+        p_gmasks = g_masks_ptr + g.to(tl.int64) * stride_g_masks
+        p_idx = idx_ptr + (row0 + o_q[:, None]) * stride_idx_row
+        count = 0
+        while tl.max(b_pending.to(tl.int32), 0) > 0:
+            q_first = tl.min(tl.where(b_pending, o_q, BLOCK_Q), 0)
+            req = tl.sum(tl.where(o_q == q_first, b_req, 0), 0)
+            b_mine = b_pending & (b_req == req)
+            b_pending = b_pending & ~b_mine
+            seq_len = tl.load(seq_lens_ptr + req)
+            p_bt = bt_ptr + req * stride_bt_req
+
+            # Phase 1: the rows' bits into the map (next step's indices in flight).
+            o_c = 4 * o_a[None, :]
+            b_last = tl.minimum(tl.minimum(b_pos, seq_len.to(tl.int64) - 1), max_blocks.to(tl.int64) * BLOCK_SIZE - 1)
+            m_r = (b_mine & (b_last >= 0))[:, None]
+            p_r = p_idx + o_c
+            u_last = tl.maximum(b_last, 0).to(tl.int32).to(tl.uint32)[:, None]
+            n0 = tl.load(p_r, mask=m_r & (o_c < W), other=-1)
+            n1 = tl.load(p_r + 1, mask=m_r & (o_c + 1 < W), other=-1)
+            n2 = tl.load(p_r + 2, mask=m_r & (o_c + 2 < W), other=-1)
+            n3 = tl.load(p_r + 3, mask=m_r & (o_c + 3 < W), other=-1)
+            b_lo = tl.full([BLOCK_Q, QUADS], XCAP, tl.int32)
+            b_hi = tl.full([BLOCK_Q, QUADS], -1, tl.int32)
+            for c in range(0, W, STEP):
+                t0, t1, t2, t3 = n0, n1, n2, n3
+                o_n = c + STEP + o_c
+                n0 = tl.load(p_r + c + STEP, mask=m_r & (o_n < W), other=-1)
+                n1 = tl.load(p_r + c + STEP + 1, mask=m_r & (o_n + 1 < W), other=-1)
+                n2 = tl.load(p_r + c + STEP + 2, mask=m_r & (o_n + 2 < W), other=-1)
+                n3 = tl.load(p_r + c + STEP + 3, mask=m_r & (o_n + 3 < W), other=-1)
+                lo, hi = _or_quads_map(
+                    p_bits, p_map, base, flag_off, t0, t1, t2, t3,
+                    t0.to(tl.uint32) <= u_last, t1.to(tl.uint32) <= u_last,
+                    t2.to(tl.uint32) <= u_last, t3.to(tl.uint32) <= u_last, o_q[:, None], XCAP, SHARED)
+                b_lo = tl.minimum(b_lo, lo)
+                b_hi = tl.maximum(b_hi, hi)
+            x_lo = tl.min(tl.min(b_lo, 1), 0) // 32 * 32
+            x_hi = tl.max(tl.max(b_hi, 1), 0)
+            x_end = tl.where(x_hi >= 0, (x_hi // 32 + 1) * 32, 0)
+            tl.debug_barrier()
+
+            # Phase 2: the touched range in ascending order. Its live map words (a bit set, or a microblock
+            # flagged) are listed, SCAN microblocks (SW words) a step; whenever the list may not take
+            # another step, and at the end, its words are emitted CH at a time and zeroed.
+            n_list = 0
+            n_steps = tl.cdiv(x_end - x_lo, SCAN)
+            for k in range(0, n_steps):
+                o_w = (x_lo + k * SCAN) // 4 + o_s
+                m_w = o_w * 4 < x_end
+                b_w = _map_load(p_map, base, o_w, m_w, SHARED)
+                b_f = _map_load(p_map, base, flag_off + o_w // 8, m_w, SHARED)
+                m_nz = (b_w != 0) | (((b_f >> (4 * (o_w & 7))) & 0xF) != 0)
+                _map_store(p_map, base, list_off + n_list + tl.cumsum(m_nz.to(tl.int32), 0) - 1, o_w, m_nz, SHARED)
+                n_list += tl.sum(m_nz.to(tl.int32), 0)
+                if (n_list > LIST - SW) | (k == n_steps - 1):
+                    tl.debug_barrier()  # the list is written before it is read
+                    for h in range(0, tl.cdiv(n_list, CH)):
+                        m_l = h * CH + o_h < n_list
+                        b_lw = _map_load(p_map, base, list_off + h * CH + o_h, m_l, SHARED)
+                        b_lv = _map_load(p_map, base, b_lw, m_l, SHARED)
+                        b_lf = _map_load(p_map, base, flag_off + b_lw // 8, m_l, SHARED)
+                        o_x = b_lw[:, None] * 4 + o_j[None, :]  # [CH, 4]
+                        m_part = (((b_lf[:, None] >> (o_x & 31)) & 1) != 0) & m_l[:, None]
+                        b_v = _row_bits_to_nibbles((b_lv[:, None] >> (8 * o_j[None, :])) & 0xFF)
+                        b_v = b_v | _load_cg_i32(p_bits + o_x, m_part, PTX)
+                        m_live = b_v != 0
+                        b_page = _load_i32(p_bt + _udiv(o_x, PER_BLOCK), m_live, PTX)
+                        m_emit = m_live & (b_page >= 0) & (b_page < num_blocks)
+                        b_n = tl.sum(m_emit.to(tl.int32), 1)
+                        b_slot = (count + tl.cumsum(b_n, 0) - b_n)[:, None] + tl.cumsum(m_emit.to(tl.int32), 1) - 1
+                        _store_i32(p_gids + b_slot, b_page * PER_BLOCK + _umod(o_x, PER_BLOCK), m_emit, PTX)
+                        _store_i32(p_gmasks + b_slot, b_v, m_emit, PTX)
+                        count += tl.sum(b_n, 0)
+                        tl.debug_barrier()  # every thread has read its words before any is zeroed
+                        _map_zero(p_map, base, b_lw, m_l & (b_lv != 0), SHARED)
+                        _store_i32(p_bits + o_x, tl.zeros([CH, 4], tl.int32), m_part, PTX)
+                    n_list = 0
+                    tl.debug_barrier()  # the list is read before the next step writes it
+            # The flags last: a flag word serves 8 map words, which two emission steps may share.
+            o_f = tl.arange(0, 512)
+            for z in range(x_lo // 32, x_end // 32, 512):
+                _map_zero(p_map, base, flag_off + z + o_f, z + o_f < x_end // 32, SHARED)
+            tl.debug_barrier()
+
+        tl.store(g_counts_ptr + g, count)
         first_id = tl.load(p_gids, mask=count > 0, other=0, cache_modifier=".cg")
         o_pad = count + tl.arange(0, PAD)
         m_pad = o_pad < (count + PAD - 1) // PAD * PAD
