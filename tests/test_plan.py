@@ -278,13 +278,14 @@ def test_planner_whole_quads_over_long_contexts(quads, scan, summary, late, shar
 
 
 def test_planner_config_by_shape():
-    """Many groups over a long table scan flagged sectors, over a short one every word (the shared map is
-    opt-in); the choice depends on shapes only (fixed for a CUDA graph)."""
+    """Many groups over a short table scan every word, over a longer one up to the shared map's width
+    take the map, past it flagged sectors; the choice depends on shapes only (fixed for a CUDA graph)."""
     from qsa.plan import PLANNER, PLANNER_MAP, PLANNER_SHORT, SHARED_MAP_MICROBLOCKS, SHORT_MICROBLOCKS, planner_config
 
     assert planner_config(1024, "cpu", SHORT_MICROBLOCKS) is PLANNER_SHORT
-    assert planner_config(1024, "cpu", SHORT_MICROBLOCKS + 1) is PLANNER
-    assert planner_config(1024, "cpu", SHARED_MAP_MICROBLOCKS) is PLANNER
+    assert planner_config(1024, "cpu", SHORT_MICROBLOCKS + 1) is PLANNER_MAP
+    assert planner_config(1024, "cpu", SHARED_MAP_MICROBLOCKS) is PLANNER_MAP
+    assert planner_config(1024, "cpu", SHARED_MAP_MICROBLOCKS + 1) is PLANNER
     assert planner_config(1024, "cpu") is PLANNER
     assert PLANNER.summary and not PLANNER_SHORT.summary and PLANNER_SHORT.late_table and PLANNER_MAP.shared_map
 

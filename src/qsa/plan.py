@@ -150,7 +150,8 @@ class PlannerConfig:
 
 
 PLANNER = PlannerConfig(programs_per_sm=3)
-"""The grouped planner's settings for many groups (a prefill chunk): small steps, three programs per SM
+"""The grouped planner's settings for many groups (a prefill chunk) over tables wider than the shared map
+(``SHARED_MAP_MICROBLOCKS``) or of unknown width: small steps, three programs per SM
 (at 168 registers per thread, as many as are resident at once: a larger grid only waits for free slots,
 and allocates scratch it does not use at the same time), the scan over flagged sectors only, the block
 table checked in the scan. On the H200, 8192 rows x 2051 indices at 64K: 0.099 ms at overlap 0.98, 0.113
@@ -174,9 +175,19 @@ of the touched range scanned in steps of 1024, the table checked in the scan. On
 0.069 ms (0.078); 32K 0.089 ms (0.094 at overlap 0.8, 0.089 at 0.98); 64K: 0.099 ms with ``PLANNER``
 (``benchmarks/results/experiments/2026-11-30-0441-grouped-planner-contexts-nvidia-h200.json``)."""
 
+SHARED_MAP_MICROBLOCKS = 36864
+"""Tables up to this many logical microblocks (144K tokens) fit the shared-memory map of
+``grouped_plan_map_kernel`` (``PlannerConfig.shared_map``; ``kernels.plan.SHARED_MAP_MICROBLOCKS``)."""
+
 PLANNER_MAP = PlannerConfig(quads=16, scan=2048, num_warps=4, programs_per_sm=4, summary=False, shared_map=True,
                             emit=128)
-"""The grouped planner over a map in shared memory (``grouped_plan_map_kernel``)."""
+"""The grouped planner's settings for many groups over tables of ``SHORT_MICROBLOCKS`` to
+``SHARED_MAP_MICROBLOCKS`` logical microblocks (contexts of 32K to 144K tokens): the rows' bits gathered in
+a byte map in shared memory (``grouped_plan_map_kernel``), 16 quads a step, live words listed 2048
+microblocks a step and emitted 128 at a time, four programs per SM (120 registers, 48 KB of static shared
+memory each). On the H200, 8192 rows x 2051 indices at 64K: 0.080 ms at overlap 0.98 and 0.091 ms at 0.8
+(``PLANNER``: 0.100 and 0.115); 128K at 0.8: 0.105 ms (0.148)
+(``benchmarks/results/experiments/2026-12-02-1550-planner-shared-map-nvidia-h200.json``)."""
 
 SHORT_MICROBLOCKS = 8192
 """Tables up to this many logical microblocks (``max_blocks * block_size // 4``) take ``PLANNER_SHORT``."""
@@ -184,18 +195,19 @@ SHORT_MICROBLOCKS = 8192
 
 def planner_config(num_groups: int, device, microblocks: int | None = None) -> PlannerConfig:
     """The shipped grouped-planner settings for ``num_groups`` groups on ``device``, over a block table of
-    ``microblocks`` logical microblocks (``max_blocks * block_size // 4``; None: a long one). The choice
-    depends on shapes only, so it is fixed for a CUDA graph."""
+    ``microblocks`` logical microblocks (``max_blocks * block_size // 4``; None: a long one): fewer groups
+    than SMs ``PLANNER_FEW``; else up to ``SHORT_MICROBLOCKS`` ``PLANNER_SHORT``, up to
+    ``SHARED_MAP_MICROBLOCKS`` ``PLANNER_MAP``, past it ``PLANNER``. The choice depends on shapes only, so
+    it is fixed for a CUDA graph."""
     from .utils import device_facts
 
     facts = device_facts(str(torch.device(device)))
     if facts["kind"] == "cuda" and num_groups < facts["sm_count"]:
         return PLANNER_FEW
-    return PLANNER_SHORT if microblocks is not None and microblocks <= SHORT_MICROBLOCKS else PLANNER
+    if microblocks is None or microblocks > SHARED_MAP_MICROBLOCKS:
+        return PLANNER
+    return PLANNER_SHORT if microblocks <= SHORT_MICROBLOCKS else PLANNER_MAP
 
-SHARED_MAP_MICROBLOCKS = 36864
-"""Tables up to this many logical microblocks (144K tokens) fit the shared-memory map of
-``grouped_plan_map_kernel`` (``PlannerConfig.shared_map``; ``kernels.plan.SHARED_MAP_MICROBLOCKS``)."""
 
 MAP_LIST_WORDS = 1536
 """Words of the list of live map words in ``grouped_plan_map_kernel`` (``kernels.plan.LIST_WORDS``; fewer
