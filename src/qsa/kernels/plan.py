@@ -516,6 +516,89 @@ def _emit_words(b_v, o_x, count, p_bits, p_bt, p_gids, p_gmasks, num_blocks, PER
 
 
 @triton.jit
+def _group_rows(req_ptr, pos_ptr, row0, o_q, GROUP_ROWS: tl.constexpr, num_rows, num_reqs):
+    """(request, position, row is pending) of each row of the group starting at ``row0``."""
+    m_q = (o_q < GROUP_ROWS) & (row0 + o_q < num_rows)
+    b_req = tl.load(req_ptr + row0 + o_q, mask=m_q, other=-1).to(tl.int64)
+    b_pos = tl.load(pos_ptr + row0 + o_q, mask=m_q, other=-1).to(tl.int64)
+    return b_req, b_pos, m_q & (b_req >= 0) & (b_req < num_reqs) & (b_pos >= 0)
+
+
+@triton.jit
+def _next_request(b_pending, b_req, o_q, BLOCK_Q: tl.constexpr):
+    """The request of the first pending row, its pending rows, and the rows still pending after them."""
+    q_first = tl.min(tl.where(b_pending, o_q, BLOCK_Q), 0)
+    req = tl.sum(tl.where(o_q == q_first, b_req, 0), 0)
+    b_mine = b_pending & (b_req == req)
+    return req, b_mine, b_pending & ~b_mine
+
+
+@triton.jit
+def _row_limits(b_pos, b_mine, seq_len, max_blocks, BLOCK_SIZE: tl.constexpr):
+    """(rows to read, as [BLOCK_Q, 1]; their last kept token as unsigned [BLOCK_Q, 1]): a row keeps (table
+    aside) the tokens 0 <= t <= its last, one unsigned compare per token."""
+    b_last = tl.minimum(tl.minimum(b_pos, seq_len.to(tl.int64) - 1), max_blocks.to(tl.int64) * BLOCK_SIZE - 1)
+    return (b_mine & (b_last >= 0))[:, None], tl.maximum(b_last, 0).to(tl.int32).to(tl.uint32)[:, None]
+
+
+@triton.jit
+def _load_quads(p_r, c, o_c, m_r, W):
+    """The four columns of the index quads starting at columns ``c + o_c`` (-1 past ``W``)."""
+    o_n = c + o_c
+    n0 = tl.load(p_r + c, mask=m_r & (o_n < W), other=-1)
+    n1 = tl.load(p_r + c + 1, mask=m_r & (o_n + 1 < W), other=-1)
+    n2 = tl.load(p_r + c + 2, mask=m_r & (o_n + 2 < W), other=-1)
+    n3 = tl.load(p_r + c + 3, mask=m_r & (o_n + 3 < W), other=-1)
+    return n0, n1, n2, n3
+
+
+@triton.jit
+def _bits_pass(p_idx, o_q, o_a, b_pos, b_mine, seq_len, max_blocks, W, XCAP, p_bits, p_sec, p_bt, num_blocks,
+               p_map, base, flag_off, BLOCK_Q: tl.constexpr, QUADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+               LAYOUT: tl.constexpr, SUMMARY: tl.constexpr, LATE_TABLE: tl.constexpr, MAP: tl.constexpr,
+               SHARED: tl.constexpr):
+    """Phase 1 of the grouped planners: the bits of every kept token of the rows ``b_mine`` of one request
+    (``_or_quads`` into the scratch bitmap, or with ``MAP`` ``_or_quads_map`` into the byte map), QUADS
+    quads a row per step, the next step's indices in flight. Returns the lowest and highest logical
+    microblock touched (XCAP, -1: none)."""
+    STEP: tl.constexpr = 4 * QUADS
+    o_c = 4 * o_a[None, :]  # [1, QUADS]: first column of each quad
+    m_r, u_last = _row_limits(b_pos, b_mine, seq_len, max_blocks, BLOCK_SIZE)
+    p_r = p_idx + o_c
+    n0, n1, n2, n3 = _load_quads(p_r, 0, o_c, m_r, W)
+    b_lo = tl.full([BLOCK_Q, QUADS], XCAP, tl.int32)
+    b_hi = tl.full([BLOCK_Q, QUADS], -1, tl.int32)
+    for c in range(0, W, STEP):
+        t0, t1, t2, t3 = n0, n1, n2, n3
+        n0, n1, n2, n3 = _load_quads(p_r, c + STEP, o_c, m_r, W)
+        k0 = t0.to(tl.uint32) <= u_last
+        k1 = t1.to(tl.uint32) <= u_last
+        k2 = t2.to(tl.uint32) <= u_last
+        k3 = t3.to(tl.uint32) <= u_last
+        if MAP:
+            lo, hi = _or_quads_map(p_bits, p_map, base, flag_off, t0, t1, t2, t3, k0, k1, k2, k3, o_q[:, None], XCAP,
+                                   SHARED)
+        else:
+            lo, hi = _or_quads(p_bits, p_sec, p_bt, t0, t1, t2, t3, k0, k1, k2, k3, o_q[:, None], num_blocks, LAYOUT,
+                               XCAP, BLOCK_SIZE, SUMMARY, LATE_TABLE)
+        b_lo = tl.minimum(b_lo, lo)
+        b_hi = tl.maximum(b_hi, hi)
+    return tl.min(tl.min(b_lo, 1), 0), tl.max(tl.max(b_hi, 1), 0)
+
+
+@triton.jit
+def _finish_group(count, g, g_counts_ptr, p_gids, p_gmasks, PAD: tl.constexpr):
+    """Store the group's count and pad its list to a whole tile with (first id, mask 0): a real microblock
+    some row uses."""
+    tl.store(g_counts_ptr + g, count)
+    first_id = tl.load(p_gids, mask=count > 0, other=0, cache_modifier=".cg")
+    o_pad = count + tl.arange(0, PAD)
+    m_pad = o_pad < (count + PAD - 1) // PAD * PAD
+    tl.store(p_gids + o_pad, tl.zeros([PAD], tl.int32) + first_id, mask=m_pad)
+    tl.store(p_gmasks + o_pad, tl.zeros([PAD], tl.int32), mask=m_pad)
+
+
+@triton.jit
 def grouped_plan_kernel(
     idx_ptr,  # [rows, W] int32 token indices
     bt_ptr,  # [num_reqs, max_blocks] int32 block table
@@ -582,60 +665,29 @@ def grouped_plan_kernel(
     o_q = tl.arange(0, BLOCK_Q)
     o_a = tl.arange(0, QUADS)
     PER_BLOCK: tl.constexpr = BLOCK_SIZE // 4
-    STEP: tl.constexpr = 4 * QUADS
     SCAN_W: tl.constexpr = SCAN // 8
 
     g = pid
     while g < num_groups:
         row0 = g.to(tl.int64) * GROUP_ROWS
-        m_q = (o_q < GROUP_ROWS) & (row0 + o_q < num_rows)
-        b_req = tl.load(req_ptr + row0 + o_q, mask=m_q, other=-1).to(tl.int64)
-        b_pos = tl.load(pos_ptr + row0 + o_q, mask=m_q, other=-1).to(tl.int64)
-        b_pending = m_q & (b_req >= 0) & (b_req < num_reqs) & (b_pos >= 0)
+        b_req, b_pos, b_pending = _group_rows(req_ptr, pos_ptr, row0, o_q, GROUP_ROWS, num_rows, num_reqs)
         p_gids = g_ids_ptr + g.to(tl.int64) * stride_g_ids
         p_gmasks = g_masks_ptr + g.to(tl.int64) * stride_g_masks
         p_idx = idx_ptr + (row0 + o_q[:, None]) * stride_idx_row
         count = 0
         while tl.max(b_pending.to(tl.int32), 0) > 0:
             # The request of the first pending row, and all pending rows of it.
-            q_first = tl.min(tl.where(b_pending, o_q, BLOCK_Q), 0)
-            req = tl.sum(tl.where(o_q == q_first, b_req, 0), 0)
-            b_mine = b_pending & (b_req == req)
-            b_pending = b_pending & ~b_mine
+            req, b_mine, b_pending = _next_request(b_pending, b_req, o_q, BLOCK_Q)
             seq_len = tl.load(seq_lens_ptr + req)
             p_bt = bt_ptr + req * stride_bt_req
 
             # Phase 1: set the bits of every kept token of the request's rows (next step's indices in flight).
-            o_c = 4 * o_a[None, :]  # [1, QUADS]: first column of each quad
-            # A row keeps (table aside) the tokens 0 <= t <= its last: one unsigned compare per token.
-            b_last = tl.minimum(tl.minimum(b_pos, seq_len.to(tl.int64) - 1), max_blocks.to(tl.int64) * BLOCK_SIZE - 1)
-            m_r = (b_mine & (b_last >= 0))[:, None]
-            p_r = p_idx + o_c
-            u_last = tl.maximum(b_last, 0).to(tl.int32).to(tl.uint32)[:, None]
-            n0 = tl.load(p_r, mask=m_r & (o_c < W), other=-1)
-            n1 = tl.load(p_r + 1, mask=m_r & (o_c + 1 < W), other=-1)
-            n2 = tl.load(p_r + 2, mask=m_r & (o_c + 2 < W), other=-1)
-            n3 = tl.load(p_r + 3, mask=m_r & (o_c + 3 < W), other=-1)
-            b_lo = tl.full([BLOCK_Q, QUADS], XCAP, tl.int32)
-            b_hi = tl.full([BLOCK_Q, QUADS], -1, tl.int32)
-            for c in range(0, W, STEP):
-                t0, t1, t2, t3 = n0, n1, n2, n3
-                o_n = c + STEP + o_c
-                n0 = tl.load(p_r + c + STEP, mask=m_r & (o_n < W), other=-1)
-                n1 = tl.load(p_r + c + STEP + 1, mask=m_r & (o_n + 1 < W), other=-1)
-                n2 = tl.load(p_r + c + STEP + 2, mask=m_r & (o_n + 2 < W), other=-1)
-                n3 = tl.load(p_r + c + STEP + 3, mask=m_r & (o_n + 3 < W), other=-1)
-                lo, hi = _or_quads(
-                    p_bits, p_sec, p_bt, t0, t1, t2, t3,
-                    t0.to(tl.uint32) <= u_last, t1.to(tl.uint32) <= u_last,
-                    t2.to(tl.uint32) <= u_last, t3.to(tl.uint32) <= u_last,
-                    o_q[:, None], num_blocks, LAYOUT, XCAP, BLOCK_SIZE, SUMMARY and LAYOUT == LAYOUT_NIBBLES,
-                    LATE_TABLE and LAYOUT == LAYOUT_NIBBLES)
-                b_lo = tl.minimum(b_lo, lo)
-                b_hi = tl.maximum(b_hi, hi)
+            b_lo, x_hi = _bits_pass(p_idx, o_q, o_a, b_pos, b_mine, seq_len, max_blocks, W, XCAP, p_bits, p_sec, p_bt,
+                                    num_blocks, p_bits, 0, 0, BLOCK_Q, QUADS, BLOCK_SIZE, LAYOUT,
+                                    SUMMARY and LAYOUT == LAYOUT_NIBBLES, LATE_TABLE and LAYOUT == LAYOUT_NIBBLES,
+                                    False, False)
             # The scanned range, widened to whole 8-word sectors (the scratch is zero past the touched words).
-            x_lo = tl.min(tl.min(b_lo, 1), 0) // 8 * 8
-            x_hi = tl.max(tl.max(b_hi, 1), 0)
+            x_lo = b_lo // 8 * 8
             x_end = tl.where(x_hi >= 0, (x_hi // 8 + 1) * 8, 0)
             tl.debug_barrier()
 
@@ -703,13 +755,7 @@ def grouped_plan_kernel(
                     count += tl.sum(b_n, 0)
             tl.debug_barrier()
 
-        tl.store(g_counts_ptr + g, count)
-        # Pad to a whole tile with (first id, mask 0): a real microblock some row uses.
-        first_id = tl.load(p_gids, mask=count > 0, other=0, cache_modifier=".cg")
-        o_pad = count + tl.arange(0, PAD)
-        m_pad = o_pad < (count + PAD - 1) // PAD * PAD
-        tl.store(p_gids + o_pad, tl.zeros([PAD], tl.int32) + first_id, mask=m_pad)
-        tl.store(p_gmasks + o_pad, tl.zeros([PAD], tl.int32), mask=m_pad)
+        _finish_group(count, g, g_counts_ptr, p_gids, p_gmasks, PAD)
         g += num_programs
 
 
@@ -885,7 +931,6 @@ def grouped_plan_map_kernel(
     o_q = tl.arange(0, BLOCK_Q)
     o_a = tl.arange(0, QUADS)
     PER_BLOCK: tl.constexpr = BLOCK_SIZE // 4
-    STEP: tl.constexpr = 4 * QUADS
     SW: tl.constexpr = SCAN // 4
     o_s = tl.arange(0, SW)
     o_h = tl.arange(0, CH)
@@ -900,49 +945,21 @@ def grouped_plan_map_kernel(
     g = pid
     while g < num_groups:
         row0 = g.to(tl.int64) * GROUP_ROWS
-        m_q = (o_q < GROUP_ROWS) & (row0 + o_q < num_rows)
-        b_req = tl.load(req_ptr + row0 + o_q, mask=m_q, other=-1).to(tl.int64)
-        b_pos = tl.load(pos_ptr + row0 + o_q, mask=m_q, other=-1).to(tl.int64)
-        b_pending = m_q & (b_req >= 0) & (b_req < num_reqs) & (b_pos >= 0)
+        b_req, b_pos, b_pending = _group_rows(req_ptr, pos_ptr, row0, o_q, GROUP_ROWS, num_rows, num_reqs)
         p_gids = g_ids_ptr + g.to(tl.int64) * stride_g_ids
         p_gmasks = g_masks_ptr + g.to(tl.int64) * stride_g_masks
         p_idx = idx_ptr + (row0 + o_q[:, None]) * stride_idx_row
         count = 0
         while tl.max(b_pending.to(tl.int32), 0) > 0:
-            q_first = tl.min(tl.where(b_pending, o_q, BLOCK_Q), 0)
-            req = tl.sum(tl.where(o_q == q_first, b_req, 0), 0)
-            b_mine = b_pending & (b_req == req)
-            b_pending = b_pending & ~b_mine
+            req, b_mine, b_pending = _next_request(b_pending, b_req, o_q, BLOCK_Q)
             seq_len = tl.load(seq_lens_ptr + req)
             p_bt = bt_ptr + req * stride_bt_req
 
             # Phase 1: the rows' bits into the map (next step's indices in flight).
-            o_c = 4 * o_a[None, :]
-            b_last = tl.minimum(tl.minimum(b_pos, seq_len.to(tl.int64) - 1), max_blocks.to(tl.int64) * BLOCK_SIZE - 1)
-            m_r = (b_mine & (b_last >= 0))[:, None]
-            p_r = p_idx + o_c
-            u_last = tl.maximum(b_last, 0).to(tl.int32).to(tl.uint32)[:, None]
-            n0 = tl.load(p_r, mask=m_r & (o_c < W), other=-1)
-            n1 = tl.load(p_r + 1, mask=m_r & (o_c + 1 < W), other=-1)
-            n2 = tl.load(p_r + 2, mask=m_r & (o_c + 2 < W), other=-1)
-            n3 = tl.load(p_r + 3, mask=m_r & (o_c + 3 < W), other=-1)
-            b_lo = tl.full([BLOCK_Q, QUADS], XCAP, tl.int32)
-            b_hi = tl.full([BLOCK_Q, QUADS], -1, tl.int32)
-            for c in range(0, W, STEP):
-                t0, t1, t2, t3 = n0, n1, n2, n3
-                o_n = c + STEP + o_c
-                n0 = tl.load(p_r + c + STEP, mask=m_r & (o_n < W), other=-1)
-                n1 = tl.load(p_r + c + STEP + 1, mask=m_r & (o_n + 1 < W), other=-1)
-                n2 = tl.load(p_r + c + STEP + 2, mask=m_r & (o_n + 2 < W), other=-1)
-                n3 = tl.load(p_r + c + STEP + 3, mask=m_r & (o_n + 3 < W), other=-1)
-                lo, hi = _or_quads_map(
-                    p_bits, p_map, base, flag_off, t0, t1, t2, t3,
-                    t0.to(tl.uint32) <= u_last, t1.to(tl.uint32) <= u_last,
-                    t2.to(tl.uint32) <= u_last, t3.to(tl.uint32) <= u_last, o_q[:, None], XCAP, SHARED)
-                b_lo = tl.minimum(b_lo, lo)
-                b_hi = tl.maximum(b_hi, hi)
-            x_lo = tl.min(tl.min(b_lo, 1), 0) // 32 * 32
-            x_hi = tl.max(tl.max(b_hi, 1), 0)
+            b_lo, x_hi = _bits_pass(p_idx, o_q, o_a, b_pos, b_mine, seq_len, max_blocks, W, XCAP, p_bits, p_bits, p_bt,
+                                    num_blocks, p_map, base, flag_off, BLOCK_Q, QUADS, BLOCK_SIZE, LAYOUT_NIBBLES,
+                                    False, True, True, SHARED)
+            x_lo = b_lo // 32 * 32
             x_end = tl.where(x_hi >= 0, (x_hi // 32 + 1) * 32, 0)
             tl.debug_barrier()
 
@@ -989,10 +1006,5 @@ def grouped_plan_map_kernel(
                 _map_zero(p_map, base, flag_off + z + o_f, z + o_f < x_end // 32, SHARED)
             tl.debug_barrier()
 
-        tl.store(g_counts_ptr + g, count)
-        first_id = tl.load(p_gids, mask=count > 0, other=0, cache_modifier=".cg")
-        o_pad = count + tl.arange(0, PAD)
-        m_pad = o_pad < (count + PAD - 1) // PAD * PAD
-        tl.store(p_gids + o_pad, tl.zeros([PAD], tl.int32) + first_id, mask=m_pad)
-        tl.store(p_gmasks + o_pad, tl.zeros([PAD], tl.int32), mask=m_pad)
+        _finish_group(count, g, g_counts_ptr, p_gids, p_gmasks, PAD)
         g += num_programs
