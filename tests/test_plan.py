@@ -248,6 +248,15 @@ def test_map_planner_gives_the_plan(quads, scan, emit, list_words, monkeypatch):
         assert int(ws.state.count_nonzero()) == 0, "the map and the nibble words must be left zero"
 
 
+def test_map_planner_steps_must_be_powers_of_two():
+    from qsa.plan import PlannerConfig
+
+    case = make_attention_case(rows=8, num_reqs=1, block_size=16, width=8, seed=3)
+    for bad, name in ((PlannerConfig(shared_map=True, emit=100), "emit"), (PlannerConfig(shared_map=True, scan=1000), "scan")):
+        with pytest.raises(ValueError, match=f"config.{name} must be a power of two"):
+            plan_groups(**case.plan_inputs(), config=bad)
+
+
 @pytest.mark.parametrize("quads,scan,summary,late,shared_map", [
     (1, 16, True, False, False), (2, 32, True, True, False), (32, 1024, True, False, False),
     (32, 1024, False, False, False), (32, 1024, True, True, False), (1, 32, True, True, True),

@@ -221,6 +221,12 @@ PLANNER_SCRATCH_BYTES = 256 << 20
 """The grouped planner's scratch stays under this size (fewer programs for very long contexts)."""
 
 
+def map_scratch_offset(words: int) -> int:
+    """First scratch word of ``grouped_plan_map_kernel``'s map when it lives in the workspace (the CPU): after
+    the ``words`` bitmap words, their sector flags and the sector list (:func:`scratch_words`)."""
+    return words * 37 // 32
+
+
 def scratch_words(microblocks: int) -> tuple[int, int]:
     """(bitmap words, scratch words) of one grouped-planner program for ``microblocks`` logical
     microblocks: the bitmap (one int32 per microblock, a multiple of 512, so that every part starts on
@@ -228,7 +234,7 @@ def scratch_words(microblocks: int) -> tuple[int, int]:
     (``grouped_plan_kernel``), then a byte per microblock, a flag bit per microblock and a list of 1536 words
     (``grouped_plan_map_kernel`` when its map is not in shared memory)."""
     words = round_up(max(microblocks, 1), 512)
-    return words, words * 46 // 32 + 1536
+    return words, map_scratch_offset(words) + words // 4 + words // 32 + MAP_LIST_WORDS
 
 
 @dataclass
@@ -272,14 +278,15 @@ class PlanWorkspace:
     @property
     def microblocks(self) -> int:
         """Logical microblocks the bitmap covers (the inverse of :func:`scratch_words`: 46 W / 32 + 1536 words)."""
-        return max(self.bits.shape[1] - 1536, 0) * 32 // 46
+        return max(self.bits.shape[1] - MAP_LIST_WORDS, 0) * 32 // 46
 
     @property
     def state(self) -> torch.Tensor:
         """The bitmaps, the sector flags and the byte map with its flags (a copy): zero between calls (the
         lists are written before they are read)."""
         words = self.microblocks
-        return torch.cat([self.bits[:, :words + words // 32], self.bits[:, words * 37 // 32:words * 46 // 32]], 1)
+        at = map_scratch_offset(words)
+        return torch.cat([self.bits[:, :words + words // 32], self.bits[:, at:at + words // 4 + words // 32]], 1)
 
 
 def planner_programs(num_groups: int, device, *, microblocks: int = 0, config: PlannerConfig = PLANNER) -> int:
@@ -474,6 +481,9 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
     ptx = PTX_SCAN and device.type == "cuda" and not interpreter_enabled()
     quads = min(config.quads, max(1, next_pow2(-(-width // 4))))
     if config.shared_map and microblocks <= SHARED_MAP_MICROBLOCKS:
+        for name, v in (("scan", config.scan), ("emit", config.emit)):
+            if not isinstance(v, int) or v < 1 or v & (v - 1):
+                raise ValueError(f"config.{name} must be a power of two with shared_map, got {v!r}")
         shared = device.type == "cuda" and not interpreter_enabled()
         map_mb = SHARED_MAP_MICROBLOCKS if shared else workspace.microblocks  # the map: shared, or in the workspace
         scan = max(32, min(config.scan, 2048, next_pow2(microblocks)))
@@ -481,7 +491,7 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
             indices, block_table, token_to_req, positions, seq_lens,
             out.mb_ids, out.masks, out.counts, workspace.bits,
             width, num_rows, num_groups, programs, block_table.shape[0], block_table.shape[1], num_blocks,
-            workspace.microblocks, workspace.microblocks * 37 // 32, map_mb // 4, map_mb // 4 + map_mb // 32,
+            workspace.microblocks, map_scratch_offset(workspace.microblocks), map_mb // 4, map_mb // 4 + map_mb // 32,
             workspace.bits.stride(0), indices.stride(0), block_table.stride(0),
             out.mb_ids.stride(0), out.masks.stride(0),
             GROUP_ROWS=group_rows, BLOCK_Q=next_pow2(group_rows), BLOCK_SIZE=block_size, QUADS=quads,

@@ -400,25 +400,22 @@ def _store_i32(p, x, m, PTX: tl.constexpr):
 
 
 @triton.jit
-def _load_i32(p, m, PTX: tl.constexpr):
-    """``tl.load(p, mask=m, other=0)`` of int32, in the operands' own layout with ``PTX`` (as ``_store_i32``)."""
+def _load_i32(p, m, PTX: tl.constexpr, CG: tl.constexpr = False):
+    """``tl.load(p, mask=m, other=0)`` of int32, in the operands' own layout with ``PTX`` (as ``_store_i32``);
+    ``CG``: through the L2 only (words that global atomics wrote)."""
     if PTX:
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.b32 $0, [$1]; }",
-            "=r,l,r", [p, m.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        if CG:
+            return tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.cg.b32 $0, [$1]; }",
+                "=r,l,r", [p, m.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            return tl.inline_asm_elementwise(
+                "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.b32 $0, [$1]; }",
+                "=r,l,r", [p, m.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+    elif CG:
+        return tl.load(p, mask=m, other=0, cache_modifier=".cg")
     else:
         return tl.load(p, mask=m, other=0)
-
-
-@triton.jit
-def _load_cg_i32(p, m, PTX: tl.constexpr):
-    """``_load_i32`` through the L2 only (words that global atomics wrote)."""
-    if PTX:
-        return tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; mov.b32 $0, 0; @p ld.global.cg.b32 $0, [$1]; }",
-            "=r,l,r", [p, m.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        return tl.load(p, mask=m, other=0, cache_modifier=".cg")
 
 
 LAYOUT_NIBBLES = tl.constexpr(0)  # scratch word x: row q's bits of microblock x at 4q .. 4q + 3
@@ -816,12 +813,7 @@ def _map_store(p_map, base, word, val, m, SHARED: tl.constexpr):
 @triton.jit
 def _map_zero(p_map, base, word, m, SHARED: tl.constexpr):
     """Zero map word ``word`` where ``m``."""
-    if SHARED:
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p st.shared.b32 [$1], 0; mov.b32 $0, 0; }",
-            "=r,r,r", [base + 4 * word, m.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-    else:
-        tl.store(p_map + word, tl.zeros(word.shape, tl.int32), mask=m)
+    _map_store(p_map, base, word, tl.zeros(word.shape, tl.int32), m, SHARED)
 
 
 @triton.jit
@@ -986,7 +978,7 @@ def grouped_plan_map_kernel(
                         o_x = b_lw[:, None] * 4 + o_j[None, :]  # [CH, 4]
                         m_part = (((b_lf[:, None] >> (o_x & 31)) & 1) != 0) & m_l[:, None]
                         b_v = _row_bits_to_nibbles((b_lv[:, None] >> (8 * o_j[None, :])) & 0xFF)
-                        b_v = b_v | _load_cg_i32(p_bits + o_x, m_part, PTX)
+                        b_v = b_v | _load_i32(p_bits + o_x, m_part, PTX, CG=True)
                         m_live = b_v != 0
                         b_page = _load_i32(p_bt + _udiv(o_x, PER_BLOCK), m_live, PTX)
                         m_emit = m_live & (b_page >= 0) & (b_page < num_blocks)
