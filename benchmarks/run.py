@@ -18,6 +18,7 @@ import argparse
 import datetime as _dt
 import math
 import os
+import re
 import sys
 import time
 import traceback
@@ -657,7 +658,8 @@ def main(argv=None) -> int:
                 print(note, file=sys.stderr)
             else:
                 plot = png
-        history = sorted(p for p in out_dir.glob("*.json") if p.name != "latest.json")
+        # The dated copies of full runs (not latest.json, tune or TP-step files)
+        history = sorted(p for p in out_dir.glob("*.json") if re.match(r"\d{4}-\d{2}-\d{2}-\d{4}-", p.name))
         write_markdown(report, docs / "benchmarks.md", plot=plot, history=history)
     print(f"\nwrote {latest} and {dated}" + ("" if args.no_docs else f", {Path(args.docs) / 'benchmarks.md'}"))
     bad = failures(report)

@@ -386,10 +386,12 @@ def test_registry_names_and_selection():
 
 def test_end_to_end_tiny_run(tmp_path, capsys):
     out, docs = tmp_path / "results", tmp_path / "docs"
+    out.mkdir()
+    (out / "tune-2026-01-01-0000-cpu.json").write_text("{}")  # not a full run: left out of the history
     rc = run.main(["--scenario", "tiny-*", "--out", str(out), "--docs", str(docs)])
     assert rc == 0
     latest = json.loads((out / "latest.json").read_text())
-    dated = [p for p in out.glob("*.json") if p.name != "latest.json"]
+    dated = [p for p in out.glob("*.json") if p.name != "latest.json" and not p.name.startswith("tune-")]
     assert len(dated) == 1 and json.loads(dated[0].read_text()) == latest
     for key in ("schema", "device", "date", "complete", "ceilings", "scenarios", "records", "targets", "versions"):
         assert key in latest
@@ -422,6 +424,7 @@ def test_end_to_end_tiny_run(tmp_path, capsys):
     assert all(set(t) >= {"name", "value", "goal", "met"} for t in latest["targets"])
     md = (docs / "benchmarks.md").read_text()
     assert "| tiny-prefill | grouped |" in md and "## Targets" in md and dated[0].name in md
+    assert f"](../results/{dated[0].name})" in md and "tune-" not in md
     text = capsys.readouterr().out
     assert "tiny-selection" in text and "target" in text
     assert not any(isinstance(v, float) and (math.isnan(v) or math.isinf(v))
