@@ -35,7 +35,8 @@ GROUPED = [  # rows_per_prog (at most), max tile rows, mb, num_warps, num_stages
     (8, 64, 8, 4, 3, 2, True, False), (8, 64, 8, 4, 3, 2, True, True), (8, 64, 8, 4, 3, 2, False, True),
 ]
 PLANNER = [  # grouped planner: quads per row step, scan step, num_warps, programs_per_sm, layout, flagged
-    # sectors only, table checked in the scan, map in shared memory, its emission step (qsa.plan.PlannerConfig)
+    # sectors only, table checked in the scan, map in shared memory, its emission step, register cap
+    # (qsa.plan.PlannerConfig)
     *((q, s, w, p, "nibbles", True, True)
       for q, s, w, p in ((32, 2048, 4, 5), (32, 1024, 4, 5), (32, 2048, 4, 8), (64, 2048, 4, 5), (32, 4096, 4, 5),
                          (32, 2048, 8, 4), (64, 4096, 8, 4))),
@@ -44,6 +45,9 @@ PLANNER = [  # grouped planner: quads per row step, scan step, num_warps, progra
     *((q, s, w, p, "nibbles", False, True, True, e)  # the map in shared memory (grouped_plan_map_kernel)
       for q, s, w, p, e in ((16, 2048, 4, 4, 128), (16, 2048, 4, 4, 256), (32, 2048, 4, 4, 128),
                             (32, 2048, 4, 3, 256), (32, 1024, 4, 4, 128), (64, 2048, 8, 2, 256))),
+    *((q, s, w, p, "nibbles", False, True, True, e, r)  # with a register cap (maxnreg)
+      for q, s, w, p, e, r in ((32, 2048, 4, 4, 128, 128), (32, 1024, 4, 4, 128, 128), (32, 2048, 4, 4, 64, 128),
+                               (64, 2048, 4, 3, 128, 168))),
 ]
 ROW_PLANNER = [  # single-row planner: indices per step, warps, scan-free steps (None: the defaults of
     # qsa.plan.row_plan_chunk and row_plan_ascending_steps)
@@ -107,6 +111,7 @@ def main(argv=None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under the Triton interpreter")
     ap.add_argument("--planner-only", action="store_true", help="sweep the planners only")
     ap.add_argument("--no-planner", action="store_true", help="skip the planner sweep")
+    ap.add_argument("--map-planners", action="store_true", help="of the grouped planners, the shared-map ones only")
     ap.add_argument("--splitk-only", action="store_true", help="sweep the splitk kernel only")
     args = ap.parse_args(argv)
     dev = torch.device("cpu" if args.smoke else "cuda")
@@ -122,6 +127,8 @@ def main(argv=None) -> int:
     merge_settings = ((16, 4), (8, 2)) if args.smoke else MERGE
     if args.no_planner:
         planner_settings = ()
+    elif args.map_planners:
+        planner_settings = tuple(s for s in planner_settings if len(s) > 7 and s[7])
     timer = Timer(dev, TimingConfig(budget_s=0.15, min_reps=5, max_reps=50))
     records = []
 

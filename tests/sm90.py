@@ -284,11 +284,12 @@ def check_merge_and_planner_kernels():
     usage = compile_sm90(grouped_plan_map_kernel, groups,
                          dict(GROUP_ROWS=8, BLOCK_Q=8, BLOCK_SIZE=16, QUADS=PLANNER_MAP.quads, SCAN=PLANNER_MAP.scan,
                               CH=PLANNER_MAP.emit, LIST=MAP_LIST_WORDS, PAD=16, SHARED=True, PTX=True),
-                         num_warps=PLANNER_MAP.num_warps,
+                         num_warps=PLANNER_MAP.num_warps, maxnreg=PLANNER_MAP.max_registers,
                          divisible={p.name for p in grouped_plan_map_kernel.params
                                     if p.name in ("XCAP", "map_off", "flag_off", "list_off") or p.name.startswith("stride_")})
     assert (KERNEL_MAP_MICROBLOCKS.value, LIST_WORDS.value) == (SHARED_MAP_MICROBLOCKS, MAP_LIST_WORDS)
     assert usage["shared_static"] == 4 * (SHARED_MAP_MICROBLOCKS * 9 // 32 + MAP_LIST_WORDS) + 1024, usage
+    assert usage["spills"] == 0 and usage["regs"] <= PLANNER_MAP.max_registers, usage  # the cap costs no spills
     assert_resident(PLANNER_MAP.programs_per_sm, PLANNER_MAP.num_warps, usage, PLANNER_MAP)
 
 

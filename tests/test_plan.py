@@ -257,6 +257,15 @@ def test_map_planner_steps_must_be_powers_of_two():
             plan_groups(**case.plan_inputs(), config=bad)
 
 
+def test_planner_register_cap_must_be_an_int():
+    from qsa.plan import PlannerConfig
+
+    case = make_attention_case(rows=8, num_reqs=1, block_size=16, width=8, seed=3)
+    for bad in (0, 16, 128.0, "128"):
+        with pytest.raises(ValueError, match="config.max_registers must be None or an int >= 24"):
+            plan_groups(**case.plan_inputs(), config=PlannerConfig(shared_map=True, max_registers=bad))
+
+
 @pytest.mark.parametrize("quads,scan,summary,late,shared_map", [
     (1, 16, True, False, False), (2, 32, True, True, False), (32, 1024, True, False, False),
     (32, 1024, False, False, False), (32, 1024, True, True, False), (1, 32, True, True, True),

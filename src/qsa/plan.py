@@ -136,6 +136,8 @@ class PlannerConfig:
             microblocks, else the settings above apply); ``scan`` is then the step that lists live map
             words (at most 2048 microblocks), ``quads`` its pass's step.
         emit: ``shared_map`` only: live map words (4 microblocks each) per emission step, a power of two.
+        max_registers: ``shared_map`` only: register cap per thread (``maxnreg``) on the GPU; None: the
+            compiler's choice.
     """
 
     quads: int = 32
@@ -147,6 +149,7 @@ class PlannerConfig:
     late_table: bool = True
     shared_map: bool = False
     emit: int = 128
+    max_registers: int | None = None
 
 
 PLANNER = PlannerConfig(programs_per_sm=3)
@@ -179,15 +182,16 @@ SHARED_MAP_MICROBLOCKS = 36864
 """Tables up to this many logical microblocks (144K tokens) fit the shared-memory map of
 ``grouped_plan_map_kernel`` (``PlannerConfig.shared_map``; ``kernels.plan.SHARED_MAP_MICROBLOCKS``)."""
 
-PLANNER_MAP = PlannerConfig(quads=16, scan=2048, num_warps=4, programs_per_sm=4, summary=False, shared_map=True,
-                            emit=128)
+PLANNER_MAP = PlannerConfig(quads=32, scan=2048, num_warps=4, programs_per_sm=4, summary=False, shared_map=True,
+                            emit=128, max_registers=128)
 """The grouped planner's settings for many groups over tables of ``SHORT_MICROBLOCKS`` to
 ``SHARED_MAP_MICROBLOCKS`` logical microblocks (contexts of 32K to 144K tokens): the rows' bits gathered in
-a byte map in shared memory (``grouped_plan_map_kernel``), 16 quads a step, live words listed 2048
-microblocks a step and emitted 128 at a time, four programs per SM (120 registers, 48 KB of static shared
-memory each). On the H200, 8192 rows x 2051 indices at 64K: 0.080 ms at overlap 0.98 and 0.091 ms at 0.8
-(``PLANNER``: 0.100 and 0.115); 128K at 0.8: 0.105 ms (0.148)
-(``benchmarks/results/experiments/2026-12-02-1550-planner-shared-map-nvidia-h200.json``)."""
+a byte map in shared memory (``grouped_plan_map_kernel``), 32 quads a step, live words listed 2048
+microblocks a step and emitted 128 at a time, four programs per SM (capped at 128 registers, 48 KB of static
+shared memory each; uncapped, 32 quads take 142 registers and only three fit). On the H200, 8192 rows x 2051
+indices at 64K: 0.069 ms at overlap 0.98 and 0.079 ms at 0.8 (16 quads uncapped: 0.080 and 0.091;
+``PLANNER``: 0.100 and 0.115); 128K at 0.8: 0.093 ms (0.104; 0.148)
+(``benchmarks/results/experiments/2026-12-02-1741-planner-map-pass-width-nvidia-h200.json``)."""
 
 SHORT_MICROBLOCKS = 8192
 """Tables up to this many logical microblocks (``max_blocks * block_size // 4``) take ``PLANNER_SHORT``."""
@@ -480,6 +484,8 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
         raise ValueError(f"config.layout must be 'nibbles' or 'rows', got {config.layout!r}")
     ptx = PTX_SCAN and device.type == "cuda" and not interpreter_enabled()
     quads = min(config.quads, max(1, next_pow2(-(-width // 4))))
+    if config.max_registers is not None and (not isinstance(config.max_registers, int) or config.max_registers < 24):
+        raise ValueError(f"config.max_registers must be None or an int >= 24, got {config.max_registers!r}")
     if config.shared_map and microblocks <= SHARED_MAP_MICROBLOCKS:
         for name, v in (("scan", config.scan), ("emit", config.emit)):
             if not isinstance(v, int) or v < 1 or v & (v - 1):
@@ -497,6 +503,7 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
             GROUP_ROWS=group_rows, BLOCK_Q=next_pow2(group_rows), BLOCK_SIZE=block_size, QUADS=quads,
             SCAN=scan, CH=config.emit, LIST=MAP_LIST_WORDS, PAD=PAD, SHARED=shared, PTX=ptx,
             num_warps=config.num_warps, **launch_options(device),
+            **({"maxnreg": config.max_registers} if config.max_registers and shared else {}),
         )
         return out
     scan = min(config.scan, max(PAD, next_pow2(microblocks)))
