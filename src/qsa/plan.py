@@ -191,7 +191,7 @@ microblocks a step and emitted 128 at a time, four programs per SM (capped at 12
 shared memory each; uncapped, 32 quads take 142 registers and only three fit). On the H200, 8192 rows x 2051
 indices at 64K: 0.069 ms at overlap 0.98 and 0.079 ms at 0.8 (16 quads uncapped: 0.080 and 0.091;
 ``PLANNER``: 0.100 and 0.115); 128K at 0.8: 0.093 ms (0.104; 0.148)
-(``benchmarks/results/experiments/2026-12-02-1741-planner-map-pass-width-nvidia-h200.json``)."""
+(``benchmarks/results/experiments/2026-12-02-1739-planner-map-pass-width-nvidia-h200.json``)."""
 
 SHORT_MICROBLOCKS = 8192
 """Tables up to this many logical microblocks (``max_blocks * block_size // 4``) take ``PLANNER_SHORT``."""
