@@ -47,7 +47,8 @@ PLANNER = [  # grouped planner: quads per row step, scan step, num_warps, progra
                             (32, 2048, 4, 3, 256), (32, 1024, 4, 4, 128), (64, 2048, 8, 2, 256))),
     *((q, s, w, p, "nibbles", False, True, True, e, r)  # with a register cap (maxnreg)
       for q, s, w, p, e, r in ((32, 2048, 4, 4, 128, 128), (32, 1024, 4, 4, 128, 128), (32, 2048, 4, 4, 64, 128),
-                               (64, 2048, 4, 3, 128, 168))),
+                               (64, 2048, 4, 3, 128, 168), (32, 4096, 4, 4, 128, 128), (32, 4096, 4, 4, 256, 128),
+                               (32, 2048, 4, 4, 256, 128))),
 ]
 ROW_PLANNER = [  # single-row planner: indices per step, warps, scan-free steps (None: the defaults of
     # qsa.plan.row_plan_chunk and row_plan_ascending_steps)

@@ -315,7 +315,9 @@ def test_cuda_graph_replay_matches_eager():
                                         (qsa.plan.PLANNER_FEW, True), (qsa.plan.PLANNER_SHORT, True),
                                         (qsa.plan.PlannerConfig(layout="rows"), True),
                                         (qsa.plan.PlannerConfig(shared_map=True, programs_per_sm=2), True),
-                                        (qsa.plan.PlannerConfig(shared_map=True, scan=512), False)])
+                                        (qsa.plan.PlannerConfig(shared_map=True, scan=512), False),
+                                        (qsa.plan.PLANNER_MAP, True),
+                                        (dataclasses.replace(qsa.plan.PLANNER_MAP, scan=4096), True)])
 def test_planners_match_reference_at_real_width(config, ptx, monkeypatch):
     """Rows of 2051 indices (shuffled, with duplicates and wild values) over 3 requests and an
     aliased prefix page: the GPU planners equal the loop reference planners exactly (the grouped
@@ -347,17 +349,18 @@ def test_planners_match_reference_at_real_width(config, ptx, monkeypatch):
     assert compare_plans(tail(single), tail(ref_single)) == []
 
 
-def test_shared_map_planner_whole_microblocks():
+@pytest.mark.parametrize("shipped", [False, True])
+def test_shared_map_planner_whole_microblocks(shipped):
     """The planner over a shared-memory map with rows as select_tokens writes them (whole microblocks: the
     shared-memory path), partial quads mixed in, over 3 requests and an invalid table entry, at 16K and at
     the map's full width: the reference plan, the same plan again from the same workspace, and the
-    workspace left zero."""
+    workspace left zero (the default settings, and the shipped ones with their register cap)."""
     from qsa.kernels.plan import SHARED_MAP_MICROBLOCKS as KERNEL_WIDTH
-    from qsa.plan import SHARED_MAP_MICROBLOCKS, PlannerConfig, PlanWorkspace, plan_groups
+    from qsa.plan import PLANNER_MAP, SHARED_MAP_MICROBLOCKS, PlannerConfig, PlanWorkspace, plan_groups
     from qsa.reference import compare_plans, reference_grouped_plan
 
     assert KERNEL_WIDTH.value == SHARED_MAP_MICROBLOCKS
-    cfg = PlannerConfig(shared_map=True, programs_per_sm=1)
+    cfg = dataclasses.replace(PLANNER_MAP if shipped else PlannerConfig(shared_map=True), programs_per_sm=1)
     for context in (16384, 4 * SHARED_MAP_MICROBLOCKS):
         c = qsa_case(rows=75, context=context, num_reqs=3, head_dim=16, seed=10)
         idx = c["indices"].clone()

@@ -134,7 +134,7 @@ class PlannerConfig:
         shared_map: gather the rows' bits in a byte per microblock in shared memory
             (``grouped_plan_map_kernel``; tables of at most ``SHARED_MAP_MICROBLOCKS`` logical
             microblocks, else the settings above apply); ``scan`` is then the step that lists live map
-            words (at most 2048 microblocks), ``quads`` its pass's step.
+            words (at most 4096 microblocks), ``quads`` its pass's step.
         emit: ``shared_map`` only: live map words (4 microblocks each) per emission step, a power of two.
         max_registers: ``shared_map`` only: register cap per thread (``maxnreg``) on the GPU; None: the
             compiler's choice.
@@ -182,16 +182,16 @@ SHARED_MAP_MICROBLOCKS = 36864
 """Tables up to this many logical microblocks (144K tokens) fit the shared-memory map of
 ``grouped_plan_map_kernel`` (``PlannerConfig.shared_map``; ``kernels.plan.SHARED_MAP_MICROBLOCKS``)."""
 
-PLANNER_MAP = PlannerConfig(quads=32, scan=2048, num_warps=4, programs_per_sm=4, summary=False, shared_map=True,
+PLANNER_MAP = PlannerConfig(quads=32, scan=4096, num_warps=4, programs_per_sm=4, summary=False, shared_map=True,
                             emit=128, max_registers=128)
 """The grouped planner's settings for many groups over tables of ``SHORT_MICROBLOCKS`` to
 ``SHARED_MAP_MICROBLOCKS`` logical microblocks (contexts of 32K to 144K tokens): the rows' bits gathered in
-a byte map in shared memory (``grouped_plan_map_kernel``), 32 quads a step, live words listed 2048
+a byte map in shared memory (``grouped_plan_map_kernel``), 32 quads a step, live words listed 4096
 microblocks a step and emitted 128 at a time, four programs per SM (capped at 128 registers, 48 KB of static
 shared memory each; uncapped, 32 quads take 142 registers and only three fit). On the H200, 8192 rows x 2051
-indices at 64K: 0.069 ms at overlap 0.98 and 0.079 ms at 0.8 (16 quads uncapped: 0.080 and 0.091;
-``PLANNER``: 0.100 and 0.115); 128K at 0.8: 0.093 ms (0.104; 0.148)
-(``benchmarks/results/experiments/2026-12-02-1739-planner-map-pass-width-nvidia-h200.json``)."""
+indices at 64K: 0.067 ms at overlap 0.98 and 0.078 ms at 0.8 (listing 2048 microblocks a step: 0.069 and
+0.079; 16 quads uncapped: 0.080 and 0.091; ``PLANNER``: 0.100 and 0.115); 128K at 0.8: 0.090 ms (0.094;
+0.104; 0.148) (``benchmarks/results/experiments/2026-12-02-1739-planner-map-pass-width-nvidia-h200.json``)."""
 
 SHORT_MICROBLOCKS = 8192
 """Tables up to this many logical microblocks (``max_blocks * block_size // 4``) take ``PLANNER_SHORT``."""
@@ -492,7 +492,8 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
                 raise ValueError(f"config.{name} must be a power of two with shared_map, got {v!r}")
         shared = device.type == "cuda" and not interpreter_enabled()
         map_mb = SHARED_MAP_MICROBLOCKS if shared else workspace.microblocks  # the map: shared, or in the workspace
-        scan = max(32, min(config.scan, 2048, next_pow2(microblocks)))
+        # A listing step appends at most its SCAN // 4 words to a list of MAP_LIST_WORDS (4096 microblocks).
+        scan = max(32, min(config.scan, 1 << ((4 * MAP_LIST_WORDS).bit_length() - 1), next_pow2(microblocks)))
         grouped_plan_map_kernel[(programs,)](
             indices, block_table, token_to_req, positions, seq_lens,
             out.mb_ids, out.masks, out.counts, workspace.bits,
