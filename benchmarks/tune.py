@@ -6,6 +6,7 @@ planner is timed apart from the attention kernels. Results go to ``--out`` as JS
     python -m benchmarks.tune --out /tmp/tune          # all workloads
     python -m benchmarks.tune --only prefill           # a subset (substring of the workload name)
     python -m benchmarks.tune --splitk-only --only mtp  # the splitk kernel's settings only
+    python -m benchmarks.tune --planner-only --map-planners --only prefill-64k  # the shared-map planners
 """
 
 from __future__ import annotations
