@@ -317,7 +317,7 @@ def test_cuda_graph_replay_matches_eager():
                                         (qsa.plan.PlannerConfig(shared_map=True, programs_per_sm=2), True),
                                         (qsa.plan.PlannerConfig(shared_map=True, scan=512), False),
                                         (qsa.plan.PLANNER_MAP, True),
-                                        (dataclasses.replace(qsa.plan.PLANNER_MAP, scan=4096), True)])
+                                        (dataclasses.replace(qsa.plan.PLANNER_MAP, scan=2048), True)])
 def test_planners_match_reference_at_real_width(config, ptx, monkeypatch):
     """Rows of 2051 indices (shuffled, with duplicates and wild values) over 3 requests and an
     aliased prefix page: the GPU planners equal the loop reference planners exactly (the grouped
