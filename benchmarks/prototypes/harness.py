@@ -23,6 +23,8 @@ class GroupedProblem:
     attention_kwargs: dict  # grouped_attention's keyword arguments besides q, k, v, plan, out, config
     ref: object  # fp32 reference, as float64
     low: object  # the same computation in the activations' dtype (sets the tolerance)
+    name: str = ""
+    workload: object = None  # the scenario's inputs (benchmarks.generators.attention_workload)
 
     def check(self, out) -> None:
         """``out``'s planned rows against the fp32 reference (raises if they differ beyond the tolerance)."""
@@ -59,7 +61,7 @@ def grouped_problem(name: str, device) -> GroupedProblem:
                        block_size=c.block_size, num_blocks=c.num_blocks, workspace=ws)
     scale = scn.head_dim ** -0.5
     kw = dict(lse=None, gate=None, softmax_scale=scale, k_scale=c.k_scale, v_scale=c.v_scale, kv_fp8=False)
-    return GroupedProblem(q, c, plan, scale, kw, ref, low)
+    return GroupedProblem(q, c, plan, scale, kw, ref, low, name, w)
 
 
 def kernel_args(q, k, v, plan, out, softmax_scale: float) -> tuple:
