@@ -14,9 +14,9 @@ from qsa.plan import plan_groups  # noqa: E402
 from qsa.reference import assert_close_like_torch, make_attention_case, reference_attention  # noqa: E402
 
 
-def _case(seed=0):
+def _case(seed=0, rows=37):
     # Valid tables and rows (the host plan's scope), duplicates and dropped entries in the rows.
-    case = make_attention_case(rows=37, num_reqs=3, num_q_heads=3, head_dim=16, width=24, max_seq_len=90,
+    case = make_attention_case(rows=rows, num_reqs=3, num_q_heads=3, head_dim=16, width=24, max_seq_len=90,
                                messy=False, padding_rows=0, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     idx = case.indices.clone()
@@ -31,20 +31,47 @@ def _plan(case, rows):
                      block_size=case.cache.block_size, group_rows=rows)
 
 
+def _check(case, out, name):
+    ref, _ = case.run(reference_attention, compute_dtype=torch.float64)
+    low, _ = case.run(reference_attention, compute_dtype=case.q.dtype)
+    assert_close_like_torch(out, ref, low, name=name)
+
+
 def test_host_plan_of_8_rows_is_the_library_plan():
     """The same entries per group (a group's requests may come in another order)."""
     case = _case()
     mine = _plan(case, 8)
     lib = plan_groups(**case.plan_inputs())
     assert torch.equal(mine.counts, lib.counts)
+    assert mine.masks.shape[0] == 1
     for g in range(lib.num_groups):
         n = int(lib.counts[g])
-        pairs = sorted(zip(mine.mb_ids[g, :n].tolist(), mine.masks_lo[g, :n].tolist()))
+        pairs = sorted(zip(mine.mb_ids[g, :n].tolist(), mine.masks[0, g, :n].tolist()))
         assert pairs == sorted(zip(lib.mb_ids[g, :n].tolist(), lib.masks[g, :n].tolist()))
-    assert not mine.masks_hi.any()
 
 
-@pytest.mark.parametrize("rows", [8, 10])
+def test_host_plan_words_hold_their_rows():
+    """A 21-row group's masks: three words, row q's nibble in word q // 8; the 8-row plans of the same rows
+    have the same tokens per row."""
+    case = _case(rows=42)
+    wide = _plan(case, 21)
+    narrow = _plan(case, 8)
+    assert wide.masks.shape[0] == 3
+    assert not (wide.masks[2] >> 20).any(), "word 2 holds rows 16-20 only"
+
+    def row_tokens(plan, r):
+        g, q = divmod(r, plan.group_rows)
+        w, nib = divmod(q, 8)
+        n = int(plan.counts[g])
+        ids = plan.mb_ids[g, :n].tolist()
+        bits = ((plan.masks[w, g, :n] >> (4 * nib)) & 15).tolist()
+        return sorted((i, b) for i, b in zip(ids, bits) if b)
+
+    for r in range(42):
+        assert row_tokens(wide, r) == row_tokens(narrow, r), r
+
+
+@pytest.mark.parametrize("rows", [8, 10, 21])
 @pytest.mark.parametrize("programs", [1, 2, 3, 7, 40])
 def test_balanced_kernel_matches_reference(rows, programs):
     case = _case(seed=rows + programs)
@@ -60,19 +87,26 @@ def test_balanced_kernel_matches_reference(rows, programs):
     out = torch.full_like(case.q, float("nan"))
     balanced_grouped(case.q, case.cache.k, case.cache.v, plan, out, case.q.shape[-1] ** -0.5,
                      programs=programs)
-    ref, _ = case.run(reference_attention, compute_dtype=torch.float64)
-    low, _ = case.run(reference_attention, compute_dtype=case.q.dtype)
-    assert_close_like_torch(out, ref, low, name=f"balanced {rows} rows, {programs} programs")
+    _check(case, out, f"balanced {rows} rows, {programs} programs")
 
 
-def test_balanced_kernel_check_rejects_a_lost_row_of_a_10_row_group():
-    """A plan whose rows 8-9 lose their bits (the 8-row mask alone) must fail the same check."""
+@pytest.mark.parametrize("rows,prefetch,lazy", [(8, False, False), (16, True, True), (21, True, False)])
+def test_one_program_per_group_matches_reference(rows, prefetch, lazy):
+    case = _case(seed=rows)
+    plan = _plan(case, rows)
+    out = torch.full_like(case.q, float("nan"))
+    balanced_grouped(case.q, case.cache.k, case.cache.v, plan, out, case.q.shape[-1] ** -0.5, balanced=False,
+                     prefetch=prefetch, lazy_rescale=lazy)
+    _check(case, out, f"{rows} rows, one program per group")
+
+
+@pytest.mark.parametrize("rows,lost_word", [(10, 1), (21, 2)])
+def test_check_rejects_a_lost_mask_word(rows, lost_word):
+    """A plan whose rows past the first word (or the last word's) lose their bits must fail the same check."""
     case = _case(seed=5)
-    plan = _plan(case, 10)
-    plan.masks_hi.zero_()
+    plan = _plan(case, rows)
+    plan.masks[lost_word].zero_()
     out = torch.full_like(case.q, float("nan"))
     balanced_grouped(case.q, case.cache.k, case.cache.v, plan, out, case.q.shape[-1] ** -0.5, programs=3)
-    ref, _ = case.run(reference_attention, compute_dtype=torch.float64)
-    low, _ = case.run(reference_attention, compute_dtype=case.q.dtype)
     with pytest.raises(AssertionError):
-        assert_close_like_torch(out, ref, low, name="rows 8-9 dropped")
+        _check(case, out, f"word {lost_word} dropped")

@@ -79,8 +79,9 @@ def kernel_args(q, k, v, plan, out, softmax_scale: float) -> tuple:
 
 def compare_kernels(names, timer, make_runs, twins: dict, rounds: int = 2) -> list[dict]:
     """For each scenario: ``make_runs(problem)`` gives {label: fn(out)}; each run writes a NaN-filled output,
-    which is checked against the fp32 reference; ``twins`` {label: other label} are compared bitwise; then
-    every run is timed in interleaved rounds (median of CUDA-graph replays, us)."""
+    which is checked against the fp32 reference (a run that fails or raises is recorded with its error and
+    not timed); ``twins`` {label: other label} are compared bitwise; then every run is timed in
+    interleaved rounds (median of CUDA-graph replays, us)."""
     import torch
 
     records = []
@@ -89,12 +90,20 @@ def compare_kernels(names, timer, make_runs, twins: dict, rounds: int = 2) -> li
         runs, outs = {}, {}
         for label, run in make_runs(pb).items():
             out = torch.full_like(pb.q, float("nan"))
-            runs[label] = functools.partial(run, out)
-            runs[label]()
-            torch.cuda.synchronize()
-            pb.check(out)
+            fn = functools.partial(run, out)
+            try:
+                fn()
+                torch.cuda.synchronize()
+                pb.check(out)
+            except (AssertionError, ValueError, RuntimeError) as e:  # recorded; the kernel is not timed
+                records.append(dict(scenario=name, kernel=label, error=f"{type(e).__name__}: {e}"[:2000]))
+                print(f"{name}: {label} FAILED: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                continue
+            runs[label] = fn
             outs[label] = out
         for label, twin in twins.items():
+            if label not in outs or twin not in outs:
+                continue
             same = pb.same_bits(outs[label], outs[twin])
             records.append(dict(scenario=name, kernel=label, bitwise_equal_to=twin, equal=same))
             print(f"{name}: {label} bitwise equal to {twin}: {same}", flush=True)
