@@ -110,3 +110,16 @@ def test_check_rejects_a_lost_mask_word(rows, lost_word):
     balanced_grouped(case.q, case.cache.k, case.cache.v, plan, out, case.q.shape[-1] ** -0.5, programs=3)
     with pytest.raises(AssertionError):
         _check(case, out, f"word {lost_word} dropped")
+
+
+@pytest.mark.parametrize("rows,balanced,programs,mb", [(16, False, None, 4), (21, False, None, 16), (21, True, 3, 16)])
+def test_wider_k_v_tiles_match_reference(rows, balanced, programs, mb):
+    """16 microblocks (64 tokens) per K/V tile, or 4, in both schedules; some group spans two tiles, so the
+    tile loop and (balanced) the cut groups' fixup run."""
+    case = _case(seed=30 + rows)
+    plan = _plan(case, rows)
+    assert int(plan.counts.max()) > mb, "some group needs two tiles"
+    out = torch.full_like(case.q, float("nan"))
+    balanced_grouped(case.q, case.cache.k, case.cache.v, plan, out, case.q.shape[-1] ** -0.5,
+                     balanced=balanced, programs=programs, mb=mb, num_stages=2)
+    _check(case, out, f"{rows} rows, {mb}-microblock tiles, balanced={balanced}")

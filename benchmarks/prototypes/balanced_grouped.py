@@ -19,10 +19,13 @@ the library's schedule.
 A plan here is built with torch (``host_plan``): the mask of a group of ``rows`` rows takes ``4 * rows``
 bits, in ``ceil(rows / 8)`` int32 words per entry (word w: bit 4(q - 8w) + t % 4 for rows
 8w <= q < 8w + 8); word 0 is the library's mask. Scope: fp16 caches of one layout
-(``k.stride() == v.stride()``), no gate, no LSE; not a route.
+(``k.stride() == v.stride()``), no gate, no LSE; not a route. K/V tiles hold 8 microblocks (32 tokens, as
+the library's) or, with ``mb=16``, 64 tokens, the dense 128-row tile's fastest setting
+(``benchmarks/dense_floor.py``).
 
-``python -m benchmarks.prototypes.balanced_grouped prefill-64k-o98 ... [--out DIR]`` checks every kernel
-against the fp32 reference and times them (attention only; the planner is not part of it).
+``python -m benchmarks.prototypes.balanced_grouped prefill-64k-o98 ... [--only LABEL]... [--out DIR]`` checks
+every kernel (or those named, with the library's) against the fp32 reference and times them (attention
+only; the planner is not part of it).
 """
 
 from __future__ import annotations
@@ -305,11 +308,11 @@ def balanced_fixup_kernel(
 
 def balanced_grouped(q, k, v, plan: HostPlan, out, softmax_scale: float, *, programs: int | None = None,
                      balanced: bool = True, num_stages: int = 3, prefetch: bool | None = None,
-                     lazy_rescale: bool | None = None) -> None:
+                     lazy_rescale: bool | None = None, mb: int = 8) -> None:
     """Rows ``[0, plan.num_rows)`` of ``out`` from ``plan``: on ``programs`` persistent programs (default:
     the tiles' programs per SM, two of 64 rows or one of 128) or, without ``balanced``, one program per
     group. ``prefetch`` and ``lazy_rescale`` default to the library's settings for the tile (both on
-    128-row tiles)."""
+    128-row tiles); ``mb``: microblocks per K/V tile (8: 32 tokens, as the library's)."""
     import torch
 
     from qsa.utils import device_facts, launch_options, next_pow2
@@ -343,7 +346,7 @@ def balanced_grouped(q, k, v, plan: HostPlan, out, softmax_scale: float, *, prog
         plan.num_rows, groups, programs, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), plan.mb_ids.stride(0), plan.masks.stride(0),
         out.stride(0), out.stride(1),
-        G=G, GROUP_ROWS=plan.group_rows, BLOCK_M=block_m, MB=8, HEAD_DIM=d, BLOCK_SIZE=k.shape[1],
+        G=G, GROUP_ROWS=plan.group_rows, BLOCK_M=block_m, MB=mb, HEAD_DIM=d, BLOCK_SIZE=k.shape[1],
         BLOCK_GROUPS=block_groups, WORDS=plan.masks.shape[0], BALANCED=balanced, PREFETCH=prefetch, LAZY_RESCALE=lazy_rescale,
         PTX=q.is_cuda, num_warps=8 if wide else 4, num_stages=num_stages, **opts)
     if rest == 0:
@@ -351,24 +354,30 @@ def balanced_grouped(q, k, v, plan: HostPlan, out, softmax_scale: float, *, prog
     block_d = min(64, d)
     balanced_fixup_kernel[(rest, d // block_d)](
         plan.counts, out, part_acc, part_ml, plan.num_rows, groups, programs, out.stride(0), out.stride(1),
-        G=G, GROUP_ROWS=plan.group_rows, BLOCK_M=block_m, MB=8, HEAD_DIM=d, BLOCK_D=block_d,
+        G=G, GROUP_ROWS=plan.group_rows, BLOCK_M=block_m, MB=mb, HEAD_DIM=d, BLOCK_D=block_d,
         BLOCK_GROUPS=block_groups, num_warps=4, **opts)
 
 
 VARIANTS = {
-    # label: (rows per group, balanced)
-    "grouped-8": (8, False),
-    "balanced-8": (8, True),
-    "grouped-10": (10, False),
-    "balanced-10": (10, True),
-    "grouped-16": (16, False),
-    "balanced-16": (16, True),
-    "grouped-21": (21, False),
-    "balanced-21": (21, True),
+    # label: (rows per group, balanced, microblocks per tile, stages, prefetch: None for the tile's default)
+    "grouped-8": (8, False, 8, 3, None),
+    "balanced-8": (8, True, 8, 3, None),
+    "grouped-10": (10, False, 8, 3, None),
+    "balanced-10": (10, True, 8, 3, None),
+    "grouped-16": (16, False, 8, 3, None),
+    "balanced-16": (16, True, 8, 3, None),
+    "grouped-21": (21, False, 8, 3, None),
+    "balanced-21": (21, True, 8, 3, None),
+    # 128-row tiles over 64-token K/V tiles (the dense floor's fastest 128-row setting: 16 / 8 / 2; three
+    # stages of 64 KB do not fit beside the tile's Q)
+    "grouped-16-t64": (16, False, 16, 2, None),
+    "grouped-21-t64": (21, False, 16, 2, None),
+    "grouped-21-t64-np": (21, False, 16, 2, False),
+    "balanced-21-t64": (21, True, 16, 2, None),
 }
 
 
-def compare(names, timer, rounds: int = 2) -> list[dict]:
+def compare(names, timer, rounds: int = 2, only=None) -> list[dict]:
     """Each scenario: the library's grouped kernel on its plan, and this kernel on host plans of 8, 10,
     16 and 21 rows per group, one program per group and balanced (8-row host plans equal the library's;
     ``grouped-8`` is the library's schedule on this kernel), each checked against the fp32 reference, then
@@ -382,7 +391,7 @@ def compare(names, timer, rounds: int = 2) -> list[dict]:
     def make_runs(pb):
         q, c, w = pb.q, pb.cache, pb.workload
         plans = {}
-        for rows in sorted({r for r, _ in VARIANTS.values()}):
+        for rows in sorted({v[0] for v in VARIANTS.values()}):
             plan = host_plan(w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens,
                              block_size=c.block_size, group_rows=rows)
             plans[rows] = plan
@@ -395,14 +404,15 @@ def compare(names, timer, rounds: int = 2) -> list[dict]:
         def library(out):
             attention.grouped_attention(q, c.k, c.v, pb.plan, out=out, **pb.attention_kwargs)
 
-        def variant(rows, balanced):
-            return lambda out: balanced_grouped(q, c.k, c.v, plans[rows], out, pb.scale, balanced=balanced)
+        def variant(rows, balanced, mb, stages, prefetch):
+            return lambda out: balanced_grouped(q, c.k, c.v, plans[rows], out, pb.scale, balanced=balanced,
+                                                mb=mb, num_stages=stages, prefetch=prefetch)
 
         runs = {"library": library}
         runs.update({label: variant(*v) for label, v in VARIANTS.items()})
         return runs
 
-    return extra + compare_kernels(names, timer, make_runs, {"grouped-8": "library"}, rounds)
+    return extra + compare_kernels(names, timer, make_runs, {"grouped-8": "library"}, rounds, only)
 
 
 def main(argv=None) -> int:

@@ -231,7 +231,7 @@ def gluon_grouped(q, k, v, plan, out, softmax_scale: float, *, lazy: bool = Fals
         BLOCK_SIZE=k.shape[1], LAZY=lazy, num_warps=4)
 
 
-def compare(names, timer, rounds: int = 2) -> list[dict]:
+def compare(names, timer, rounds: int = 2, only=None) -> list[dict]:
     """Each scenario's grouped attention (plan made once): the Triton kernel at its default and lazy-rescale
     settings and this kernel without and with the lazy rescale, each checked against the fp32 reference
     and bitwise against its Triton twin, then timed in interleaved rounds."""
@@ -255,7 +255,7 @@ def compare(names, timer, rounds: int = 2) -> list[dict]:
         return {"triton": triton(None), "triton-lazy": triton(lazy_cfg), "gluon": gluon(False),
                 "gluon-lazy": gluon(True)}
 
-    return compare_kernels(names, timer, make_runs, {"gluon": "triton", "gluon-lazy": "triton-lazy"}, rounds)
+    return compare_kernels(names, timer, make_runs, {"gluon": "triton", "gluon-lazy": "triton-lazy"}, rounds, only)
 
 
 def main(argv=None) -> int:

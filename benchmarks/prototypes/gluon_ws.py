@@ -276,7 +276,7 @@ def gluon_ws(q, k, v, plan, out, softmax_scale: float, *, nv: int = 3, pregs: in
         BLOCK_SIZE=k.shape[1], NV=nv, PREGS=pregs, num_warps=4)
 
 
-def compare(names, timer, rounds: int = 2) -> list[dict]:
+def compare(names, timer, rounds: int = 2, only=None) -> list[dict]:
     """Each scenario's grouped attention (plan made once): the Triton kernel and this one with V in 3 and 2
     buffers, each checked against the fp32 reference and bitwise against the Triton kernel, then timed in
     interleaved rounds."""
@@ -294,7 +294,7 @@ def compare(names, timer, rounds: int = 2) -> list[dict]:
                                                                   **pb.attention_kwargs),
                 "ws-v3": ws(3), "ws-v2": ws(2)}
 
-    return compare_kernels(names, timer, make_runs, {"ws-v3": "triton", "ws-v2": "triton"}, rounds)
+    return compare_kernels(names, timer, make_runs, {"ws-v3": "triton", "ws-v2": "triton"}, rounds, only)
 
 
 def main(argv=None) -> int:

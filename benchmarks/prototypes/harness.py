@@ -77,8 +77,9 @@ def kernel_args(q, k, v, plan, out, softmax_scale: float) -> tuple:
             out.stride(0), out.stride(1))
 
 
-def compare_kernels(names, timer, make_runs, twins: dict, rounds: int = 2) -> list[dict]:
-    """For each scenario: ``make_runs(problem)`` gives {label: fn(out)}; each run writes a NaN-filled output,
+def compare_kernels(names, timer, make_runs, twins: dict, rounds: int = 2, only=None) -> list[dict]:
+    """For each scenario: ``make_runs(problem)`` gives {label: fn(out)} (those in ``only`` and "library"
+    where ``only`` is given); each run writes a NaN-filled output,
     which is checked against the fp32 reference (a run that fails or raises is recorded with its error and
     not timed); ``twins`` {label: other label} are compared bitwise; then every run is timed in
     interleaved rounds (median of CUDA-graph replays, us)."""
@@ -89,6 +90,8 @@ def compare_kernels(names, timer, make_runs, twins: dict, rounds: int = 2) -> li
         pb = grouped_problem(name, timer.device)
         runs, outs = {}, {}
         for label, run in make_runs(pb).items():
+            if only and label not in only and label != "library":
+                continue
             out = torch.full_like(pb.q, float("nan"))
             fn = functools.partial(run, out)
             try:
@@ -118,7 +121,8 @@ def compare_kernels(names, timer, make_runs, twins: dict, rounds: int = 2) -> li
 
 
 def main(prog: str, doc: str, stem: str, compare, argv=None) -> int:
-    """``prog SCENARIO... [--out DIR]``: ``compare(names, timer)``'s records into DIR/STEM-<date>.json."""
+    """``prog SCENARIO... [--only LABEL]... [--out DIR]``: ``compare(names, timer, only=...)``'s records into
+    DIR/STEM-<date>.json."""
     import torch
 
     from ..timing import Timer, TimingConfig
@@ -126,14 +130,15 @@ def main(prog: str, doc: str, stem: str, compare, argv=None) -> int:
     p = argparse.ArgumentParser(prog=prog, description=doc.split("\n")[0])
     p.add_argument("scenarios", nargs="+")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--only", action="append", help="time only this kernel label (repeatable) and the library's")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("needs a CUDA GPU (Hopper)", file=sys.stderr)
         return 2
     timer = Timer("cuda", TimingConfig(budget_s=0.2, min_reps=10, max_reps=100))
-    records = compare(args.scenarios, timer)
+    records = compare(args.scenarios, timer, only=set(args.only or ()))
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{stem}-{time.strftime('%Y-%m-%d-%H%M', time.gmtime())}.json")
+    path = os.path.join(args.out, f"{stem}-{time.strftime('%Y-%m-%d-%H%M%S', time.gmtime())}.json")
     with open(path, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                        records=records), f, indent=1)
