@@ -471,26 +471,11 @@ def grouped_probe_grid(quick: bool):
     return [(64, 8, 4, 3), (64, 8, 4, 2), (64, 4, 4, 3), (64, 16, 4, 2), (16, 8, 4, 3), (16, 8, 4, 4)]
 
 
-def run_grouped_scenario(scn, timer: Timer, ceilings: dict, *, quick: bool) -> dict:
-    """Floors of a prefill scenario's grouped step: the planner alone, the attention kernel alone (plan
-    made once), the step, and the grouped probes (the kernel's loads and products without its softmax)."""
+def time_grouped_parts(scn, w, probe, ref, timer: Timer) -> dict:
+    """The grouped step's planner alone and its attention kernel alone (plan made once), after one plan +
+    run checked against ``ref`` on a NaN-filled output: ``{"planner_ms", "attention_ms"}``."""
     from qsa import plan_attention, run_attention
     from qsa.plan import PlanWorkspace
-
-    dev = timer.device
-    w = attention_workload(scn, dev)
-    probe = GroupedProbe(w, scn)
-    kv_per_token, _ = step_bytes(scn)
-    union_bytes = probe.union_tokens() * kv_per_token
-    rec = dict(scenario=scn.name, rows=scn.rows, grouped_rows=probe.plan.routes.grouped_rows,
-               union_bytes=union_bytes, probes=[])
-    ref = reference_attention_fp32(w.q, *w.args, **w.cache_kwargs)
-    for route in ("grouped", "splitk"):
-        fn, _, _ = checked_step_fn(scn, w, route, ref)
-        rec[f"{route}_ms"] = timer.time(fn).median_ms
-    ratio = GROUPED_TARGETS.get(scn.overlap, 3.0)
-    rec["target_ms"] = rec["splitk_ms"] / ratio
-    rec["target"] = f"splitk / {ratio:g}"
 
     plan = probe.plan
     ws = PlanWorkspace.for_plan(w.block_table, block_size=w.cache.block_size, num_groups=plan.grouped.num_groups)
@@ -506,9 +491,32 @@ def run_grouped_scenario(scn, timer: Timer, ceilings: dict, *, quick: bool) -> d
     planner()
     attention()
     check_output(out, ref, w.q.dtype, f"{scn.name}: the grouped attention after its planner")
+    times = {}
     for name, f in (("planner", planner), ("attention", attention)):
         f()
-        rec[f"{name}_ms"] = timer.time(f).median_ms
+        times[f"{name}_ms"] = timer.time(f).median_ms
+    return times
+
+
+def run_grouped_scenario(scn, timer: Timer, ceilings: dict, *, quick: bool) -> dict:
+    """Floors of a prefill scenario's grouped step: the planner alone, the attention kernel alone (plan
+    made once), the step, and the grouped probes (the kernel's loads and products without its softmax)."""
+    dev = timer.device
+    w = attention_workload(scn, dev)
+    probe = GroupedProbe(w, scn)
+    kv_per_token, _ = step_bytes(scn)
+    union_bytes = probe.union_tokens() * kv_per_token
+    rec = dict(scenario=scn.name, rows=scn.rows, grouped_rows=probe.plan.routes.grouped_rows,
+               union_bytes=union_bytes, probes=[])
+    ref = reference_attention_fp32(w.q, *w.args, **w.cache_kwargs)
+    for route in ("grouped", "splitk"):
+        fn, _, _ = checked_step_fn(scn, w, route, ref)
+        rec[f"{route}_ms"] = timer.time(fn).median_ms
+    ratio = GROUPED_TARGETS.get(scn.overlap, 3.0)
+    rec["target_ms"] = rec["splitk_ms"] / ratio
+    rec["target"] = f"splitk / {ratio:g}"
+
+    rec.update(time_grouped_parts(scn, w, probe, ref, timer))
 
     for block_m, mb, nw, st in grouped_probe_grid(quick):
         fn, ok = probe.checked(block_m, mb, nw, st)
