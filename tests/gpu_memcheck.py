@@ -1,7 +1,7 @@
 """The adversarial case on the GPU, for ``compute-sanitizer --tool memcheck python tests/gpu_memcheck.py``.
 
 Wild index values (INT32_MIN/MAX, huge, negative), wild block-table entries, padding rows, FP8 and
-fp16 caches, every route and both planners. Exits non-zero if an output is not finite.
+fp16 caches, every route (the invariant one folding and merging) and both planners. Exits non-zero if an output is not finite.
 """
 
 import sys
@@ -32,7 +32,7 @@ def main() -> int:
         case.indices = idx.cuda()
         case.block_table[:, -1] = torch.tensor([2**31 - 1, -2**31, case.cache.num_blocks],
                                                dtype=torch.int32, device="cuda")[:case.block_table.shape[0]]
-        runs = [(route, {}) for route in ("auto", "grouped", "xqa", "splitk")]
+        runs = [(route, {}) for route in ("auto", "grouped", "xqa", "splitk", "invariant")]
         runs.append(("xqa", dict(rows_sorted=True)))  # 77 rows: the planned kernel
         for route, kw in runs:
             out, lse = case.run(qsa.sparse_paged_attention, route=route, return_lse=True, **kw)
@@ -57,10 +57,13 @@ def main() -> int:
             ok = bool(torch.isfinite(out).all())
             bad += not ok
             print(f"{kv_cache_dtype:9s} splitk   {tiles} tiles finite={ok}")
-        # Wild rows sorted with negatives last: the row planner's ascending-row path (xqa, splitk).
+        bad += _invariant_folding(case, kv_cache_dtype, "as given")
+        # Wild rows sorted with negatives last: the row planner's ascending-row path (xqa, splitk), the
+        # invariant route's rows read as their own lists.
         given = case.indices
         case.indices = negatives_last(given)
-        for route in ("xqa", "splitk"):
+        bad += _invariant_folding(case, kv_cache_dtype, "sorted")
+        for route in ("xqa", "splitk", "invariant"):
             out, lse = case.run(qsa.sparse_paged_attention, route=route, return_lse=True)
             torch.cuda.synchronize()
             ok = bool(torch.isfinite(out).all())
@@ -99,7 +102,28 @@ def main() -> int:
             ok = bool(torch.isfinite(out).all())
             bad += not ok
             print(f"{'direct' if hint else 'planned'}, 64 rows x 2051, {num_kv_heads} KV heads finite={ok}")
+        out, lse = case.run(qsa.sparse_paged_attention, route="invariant", return_lse=True)
+        torch.cuda.synchronize()
+        ok = bool(torch.isfinite(out).all())
+        bad += not ok
+        print(f"invariant, 64 rows x 2051, {num_kv_heads} KV heads finite={ok}")
+        bad += _invariant_folding(case, "auto", f"64 rows x 2051, {num_kv_heads} KV heads")
     return 1 if bad else 0
+
+
+def _invariant_folding(case, kv_cache_dtype, what) -> int:
+    """The invariant route with one program per row folding its splits (shipped from
+    ``INVARIANT_FOLD_LISTS`` lists; forced here): 1 if an output is not finite."""
+    folds = qsa.routes.invariant_folds
+    qsa.routes.invariant_folds = lambda lists: True
+    try:
+        out, lse = case.run(qsa.sparse_paged_attention, route="invariant", return_lse=True)
+        torch.cuda.synchronize()
+    finally:
+        qsa.routes.invariant_folds = folds
+    ok = bool(torch.isfinite(out).all())
+    print(f"{kv_cache_dtype:9s} invariant folding, {what} finite={ok}")
+    return int(not ok)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from qsa import routes
 from qsa.plan import MAP_LIST_WORDS, PLANNER, PLANNER_FEW, PLANNER_MAP, PLANNER_SHORT, SHARED_MAP_MICROBLOCKS
 from qsa.kernels.common import merge_splits_kernel
 from qsa.kernels.grouped import grouped_attention_kernel
+from qsa.kernels.invariant import invariant_attention_kernel, invariant_merge_kernel
 from qsa.kernels.plan import (LIST_WORDS, SHARED_MAP_MICROBLOCKS as KERNEL_MAP_MICROBLOCKS, grouped_plan_kernel,
                               grouped_plan_map_kernel, single_row_plan_kernel, single_row_sort_plan_kernel)
 from qsa.kernels.splitk import splitk_attention_kernel
@@ -195,6 +196,36 @@ def check_single_row_kernel(route, cache):
     # each warp's score tile is two independent chains of 8 mma steps, not one of 16 (the products are not
     # folded into one).
     assert qk_chain_depth(compiled) == (8 if cfg.qk_halves else 16), (route, cache, cfg)
+    return usage
+
+
+def check_invariant_kernels(cache, width=2051):
+    """The batch-invariant route's kernel as launched at 6/1/256 (folding, and a program per split) for
+    ``indices`` ``width`` wide, and its merge."""
+    cfg = routes.invariant_config(6, 256)
+    ptrs = {**_attention_pointers("fp16", cache), "idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32",
+            "pos_ptr": "*i64", "seq_lens_ptr": "*i32", "scratch_ptr": "*i32"}
+    splits = -(-routes.direct_tiles(width, cfg.tile_tokens) // cfg.split_tiles)
+    usage = {}
+    for fold in (True, False):
+        compiled, u = compile_sm90(
+            invariant_attention_kernel, ptrs,
+            dict(G=6, BLOCK_G=16, BLOCK_N=cfg.tile_tokens, BLOCK_W=max(16, triton.next_power_of_2(width)),
+                 SPLIT_TILES=cfg.split_tiles, NUM_SPLITS=splits, SPLIT_N=cfg.split_tiles * cfg.tile_tokens, FOLD=fold, KV_FP8=cache == "u8", SAME_KV_STRIDES=True,
+                 DOT_DTYPE=tl.float16, HALVES=cfg.qk_halves, **FLAGS),
+            floats=("qk_scale", "v_scale"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+        assert u["shared"] <= SMEM_LIMIT and u["pdl"], u
+        assert u["loop_spills"] == 0, ("fold" if fold else "split", cache, u)
+        assert qk_chain_depth(compiled) == (8 if cfg.qk_halves else 16), u
+        usage["fold" if fold else "split"] = u
+    merge_ptrs = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "gate_ptr": "*fp16", "out_ptr": "*fp16",
+                  "lse_ptr": "*fp32"}
+    _, u = compile_sm90(invariant_merge_kernel, merge_ptrs,
+                        dict(G=6, BLOCK_G=16, NUM_SPLITS=splits, HEAD_DIM=256,
+                             BLOCK_D=routes.invariant_merge_columns(splits, 256), HAS_GATE=True, RETURN_LSE=True,
+                             PDL=True), floats=("v_scale",))
+    assert u["local"] == 0 and u["pdl"], u  # every split's partial in registers at once, no spill
+    usage["merge"] = u
     return usage
 
 
@@ -442,6 +473,9 @@ def main() -> int:
                   "splitk-few"):
         for cache in ("fp16", "u8"):
             print(f"{route} {cache}: {check_single_row_kernel(route, cache)}")
+    for cache in ("fp16", "u8"):
+        for width in (2051, 4096):
+            print(f"invariant {cache} W={width}: {check_invariant_kernels(cache, width)}")
     check_merge_and_planner_kernels()
     print("merge and planner kernels: compiled")
     check_arguments_of_one()

@@ -10,7 +10,7 @@ import qsa
 from qsa.cache import PagedKVCache, random_mapping
 from qsa.reference import assert_close_like_torch, make_attention_case, reference_attention
 
-ROUTES = ("grouped", "xqa", "splitk")
+ROUTES = ("grouped", "xqa", "splitk", "invariant")
 
 
 def check_route(case, route, *, rows_sorted=False, **kwargs):
@@ -137,7 +137,7 @@ def _assert_bitwise(a, b, what):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), f"{what}: outputs are not bitwise equal"
 
 
-@pytest.mark.parametrize("route", ["grouped", "xqa", "auto"])
+@pytest.mark.parametrize("route", ["grouped", "xqa", "invariant", "auto"])
 def test_bitwise_determinism(route):
     rows = 69 if route == "auto" else 24
     case = make_attention_case(rows=rows, num_reqs=4, num_q_heads=6, num_kv_heads=1, head_dim=32,
@@ -324,7 +324,7 @@ def _check_on_every_path(case, route, order, seed):
         check_route(case, route)
 
 
-@pytest.mark.parametrize("route", ["grouped", "xqa", "xqa-direct", "splitk"])
+@pytest.mark.parametrize("route", ["grouped", "xqa", "xqa-direct", "splitk", "invariant"])
 @pytest.mark.parametrize("order", ["ascending", "shuffled"])
 def test_a_table_narrower_than_the_lengths(route, order):
     """Lengths and positions past the table's end: tokens whose block lies past it are dropped, whatever
@@ -343,7 +343,7 @@ def test_a_table_narrower_than_the_lengths(route, order):
     _check_on_every_path(case, route, order, seed=17)
 
 
-@pytest.mark.parametrize("route", ["grouped", "xqa", "xqa-direct", "splitk"])
+@pytest.mark.parametrize("route", ["grouped", "xqa", "xqa-direct", "splitk", "invariant"])
 @pytest.mark.parametrize("order", ["ascending", "shuffled"])
 def test_positions_past_the_lengths(route, order):
     """Rows whose position is past their request's length, selecting tokens in between: only
@@ -362,7 +362,7 @@ def test_positions_past_the_lengths(route, order):
     _check_on_every_path(case, route, order, seed=19)
 
 
-@pytest.mark.parametrize("route", ["grouped", "xqa", "xqa-direct", "splitk"])
+@pytest.mark.parametrize("route", ["grouped", "xqa", "xqa-direct", "splitk", "invariant"])
 @pytest.mark.parametrize("order", ["ascending", "shuffled"])
 def test_positions_at_the_int64_limit(route, order):
     """Positions past INT32_MAX, up to the int64 limit, keep every token below the length (no overflow
@@ -508,7 +508,7 @@ def test_bad_inputs_name_the_argument():
     # FP8 caches are written as x / scale: every route refuses a scale <= 0, naming it.
     fp8 = make_attention_case(rows=4, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=8,
                               kv_cache_dtype="fp8_e4m3", seed=11)
-    for route in ("xqa", "splitk", "reference"):
+    for route in ("xqa", "splitk", "invariant", "reference"):
         for name in ("k_scale", "v_scale"):
             for bad in (0.0, -0.5):
                 with pytest.raises(ValueError, match=f"{name} must be > 0 for an FP8 cache"):
@@ -529,7 +529,7 @@ def test_plan_out_is_refilled_in_place():
         return qsa.plan_attention(case.indices, case.block_table, case.token_to_req, case.positions,
                                   case.seq_lens, **shape, **kw)
 
-    for route, rows_sorted in (("grouped", False), ("xqa", False), ("xqa", True), ("splitk", False)):
+    for route, rows_sorted in (("grouped", False), ("xqa", False), ("xqa", True), ("splitk", False), ("invariant", False)):
         held = plan(old, route=route, rows_sorted=rows_sorted)
         assert plan(new, route=route, rows_sorted=rows_sorted, out=held) is held
         assert held.inputs[1] is new.block_table
@@ -702,9 +702,9 @@ def test_grouped_kernel_takes_plans_of_any_group_size(group_rows, num_q_heads):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's 0 * inf
-@pytest.mark.parametrize("route", ["grouped", "xqa", "splitk"])
+@pytest.mark.parametrize("route", ["grouped", "xqa", "splitk", "invariant"])
 def test_a_non_finite_value_stays_in_its_rows_or_group(route):
-    """A V value of inf in one cache slot: xqa and splitk keep rows apart, so every row that does not
+    """A V value of inf in one cache slot: xqa, splitk and invariant keep rows apart, so every row that does not
     read that slot keeps its bits; the grouped route loads a slot once for its 8-row group, and 0 * inf
     in P @ V can reach the other rows of a group that reads it (README), never a row of another group."""
     from qsa.reference import _kept_tokens

@@ -272,7 +272,8 @@ def test_deferred_merge_of_rows_out_of_order_over_many_replays(rows):
     assert wrong == 0, f"{wrong} of 400 replays differ from the sorted rows"
 
 
-def test_cuda_graph_replay_matches_eager():
+@pytest.mark.parametrize("route", ["auto", "invariant"])
+def test_cuda_graph_replay_matches_eager(route):
     rows, context = 257, 32768
     a = qsa_case(rows=rows, context=context, num_reqs=2, seed=3)
     b = qsa_case(rows=rows, context=context, num_reqs=2, seed=4)
@@ -282,7 +283,7 @@ def test_cuda_graph_replay_matches_eager():
     nb, bs = static["kv"].shape[0], static["kv"].shape[2]
     plan_args = lambda: (static["indices"], static["block_table"], static["token_to_req"],  # noqa: E731
                          static["positions"], static["seq_lens"])
-    shape = dict(block_size=bs, num_blocks=nb, num_q_heads=6, num_kv_heads=1, head_dim=256)
+    shape = dict(block_size=bs, num_blocks=nb, num_q_heads=6, num_kv_heads=1, head_dim=256, route=route)
     ws = PlanWorkspace.for_plan(static["block_table"], block_size=bs, num_groups=-(-static["indices"].shape[0] // 8))
     out = torch.empty_like(static["q"])
 
@@ -307,7 +308,7 @@ def test_cuda_graph_replay_matches_eager():
         out.fill_(float("nan"))
         graph.replay()
         torch.cuda.synchronize()
-        eager = run(case, "auto", gate=case["gate"])
+        eager = run(case, route, gate=case["gate"])
         assert torch.equal(out, eager), "graph replay differs from eager"
 
 
@@ -411,3 +412,87 @@ def test_dependent_launch_changes_no_bit(rows, route, monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want), "graph replay with dependent launch"
+
+
+def _take(c, rows):
+    """The case of rows ``rows`` (in that order) of ``c``: the same cache, table and lengths."""
+    return {**c, **{k: c[k][rows] for k in ("q", "gate", "indices", "token_to_req", "positions")}}
+
+
+def _cat(a, b):
+    return {**a, **{k: torch.cat([a[k], b[k]]) for k in ("q", "gate", "indices", "token_to_req", "positions")}}
+
+
+@pytest.mark.parametrize("dtype,kv,heads", [(torch.float16, "auto", (6, 1)), (torch.bfloat16, "auto", (6, 1)),
+                                            (torch.float16, "fp8_e4m3", (6, 1)), (torch.float16, "auto", (24, 2))])
+def test_invariant_route_at_real_size(dtype, kv, heads):
+    """The batch-invariant route against the fp32 reference at real width, folding in one program per row
+    (1024 rows) and through the merge (64 rows, from the same rows: the same bits)."""
+    c = qsa_case(rows=1024, context=32768, dtype=dtype, kv_cache_dtype=kv, num_q_heads=heads[0],
+                 num_kv_heads=heads[1], num_reqs=3, seed=6)
+    assert qsa.routes.invariant_folds(1024) and not qsa.routes.invariant_folds(64 * heads[1])
+    check_against_reference(c, "invariant")
+    base = run(c, "invariant", gate=c["gate"], return_lse=True)
+    few = torch.arange(0, 1024, 16, device="cuda")
+    out = run(_take(c, few), "invariant", gate=c["gate"][few], return_lse=True)
+    assert torch.equal(out[0], base[0][few]) and torch.equal(out[1], base[1][few]), "64 rows vs 1024"
+
+
+def test_invariant_rows_get_the_same_bits_in_any_batch():
+    """Rows of three 64K requests: each row's out and lse bitwise equal whatever batch it comes in: alone,
+    in a few, in reverse order, among rows of other queries, with wider indices and its entries shuffled,
+    with the pages moved; whether the launch folds in one program per row or merges its splits."""
+    c = qsa_case(rows=1100, context=65536, num_reqs=3, seed=7)
+    every = torch.arange(1100, device="cuda")
+    base = run(c, "invariant", gate=c["gate"], return_lse=True)
+
+    def expect(case, rows, at, what):
+        out = run(case, "invariant", gate=case["gate"], return_lse=True)
+        n = len(rows)
+        assert torch.equal(out[0][at:at + n], base[0][rows]), f"{what}: out"
+        assert torch.equal(out[1][at:at + n], base[1][rows]), f"{what}: lse"
+
+    for rows in ([0], [1099], [5, 700, 1099], list(range(0, 1100, 11)), list(range(300))):
+        rows = torch.tensor(rows, device="cuda")
+        expect(_take(c, rows), rows, 0, f"{len(rows)} rows")
+    expect(_take(c, every.flip(0)), every.flip(0), 0, "reverse order")
+    g = torch.Generator(device="cuda").manual_seed(8)
+    others = _take(c, torch.randint(0, 1100, (77,), device="cuda", generator=g))
+    others["q"] = torch.randn(others["q"].shape, device="cuda", generator=g).half()
+    expect(_cat(others, _take(c, every[:150])), every[:150], 77, "behind 77 other rows")
+    wide = {**c, "indices": torch.cat([c["indices"], torch.full((1100, 200), -1, dtype=torch.int32, device="cuda")], 1)}
+    perm = torch.argsort(torch.rand(wide["indices"].shape, device="cuda", generator=g), dim=1)
+    wide["indices"] = torch.gather(wide["indices"], 1, perm)
+    expect(_take(wide, every[:40]), every[:40], 0, "wider indices, entries shuffled")
+    mapping = random_mapping(c["kv"].shape[0], generator=torch.Generator().manual_seed(9))
+    expect(_relocated(c, mapping), every, 0, "pages moved")
+    out = torch.empty_like(c["q"])
+    lse = torch.empty(c["q"].shape[:2], dtype=torch.float32, device="cuda")
+    qsa.attention.invariant_attention(c["q"], c["kv"][:, 0], c["kv"][:, 1], c["indices"], c["block_table"],
+                                      c["token_to_req"], c["positions"], c["seq_lens"], out=out, lse=lse,
+                                      gate=c["gate"], softmax_scale=256 ** -0.5, k_scale=1.0, v_scale=1.0,
+                                      kv_fp8=False, fold=False)
+    assert torch.equal(out, base[0]) and torch.equal(lse, base[1]), "merge vs fold on the whole batch"
+
+
+def test_invariant_checks_see_a_tree_merge(monkeypatch):
+    """The check above is sensitive at this size: with the splits summed by the other routes' tree merge
+    instead of folded in order, rows alone (merged) differ from the same rows in a folding batch."""
+    import qsa.kernels.invariant as ki
+
+    c = qsa_case(rows=512, context=32768, num_reqs=2, seed=10)
+    base = run(c, "invariant", gate=c["gate"], return_lse=True)
+
+    class TreeMerge:
+        def __getitem__(self, grid):
+            def launch(part_acc, part_ml, gate, out, lse, hq, v_scale, *strides, HAS_GATE, RETURN_LSE, NUM_SPLITS,
+                       **kw):
+                qsa.attention._merge(part_acc, part_ml, out=out, lse=lse if RETURN_LSE else None,
+                                     gate=gate if HAS_GATE else None, row_offset=0, v_scale=v_scale,
+                                     num_splits=NUM_SPLITS)
+            return launch
+
+    monkeypatch.setattr(ki, "invariant_merge_kernel", TreeMerge())
+    rows = torch.arange(0, 512, 8, device="cuda")
+    out = run(_take(c, rows), "invariant", gate=c["gate"][rows], return_lse=True)
+    assert not (torch.equal(out[0], base[0][rows]) and torch.equal(out[1], base[1][rows]))

@@ -65,7 +65,8 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
         token_to_req: ``[rows]`` int32/int64; positions: ``[rows]`` int64; seq_lens: ``[num_reqs]`` int32.
         block_size, num_blocks: the KV cache geometry.
         num_q_heads, num_kv_heads, head_dim: the attention shape (for admission).
-        route: "auto", "grouped", "xqa", "splitk" or "reference".
+        route: "auto", "grouped", "xqa", "splitk", "invariant" or "reference" (see :mod:`qsa.routes`;
+            "invariant" plans nothing: its kernel reads ``indices`` itself).
         out: a previous plan of the same shapes, refilled in place and returned (CUDA-graph capture): its
             buffers, routes and inputs all become this call's, so running ``out`` or the returned plan
             is the same.
@@ -211,6 +212,8 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
         out.copy_(attn)
         if lse is not None:
             lse.copy_(ref_lse.float())
+    elif choice.route == "invariant":
+        attention.invariant_attention(q, k_cache, v_cache, *plan.inputs, **kw)
     elif choice.route == "splitk":
         attention.splitk_attention(q, k_cache, v_cache, plan.tokens, plan.token_counts, plan.inputs[1],
                                    plan.inputs[2], block_size=block_size, **kw)
@@ -259,7 +262,10 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
         softmax_scale: a finite number; default ``D ** -0.5``.
         out: optional ``[rows, Hq, D]`` output buffer, contiguous in D, no two elements sharing memory.
         return_lse: also return the natural-log LSE ``[rows, Hq]`` fp32.
-        route: "auto", "grouped", "xqa", "splitk" or "reference" (see :mod:`qsa.routes`).
+        route: "auto", "grouped", "xqa", "splitk", "invariant" or "reference" (see :mod:`qsa.routes`).
+            "invariant" makes each row's output bits independent of the batch: the same row gives the
+            same bits alone or among any other rows, at any place in the batch (not only for a fixed
+            batch shape, as the other routes promise); it is slower than ``auto`` on prefill batches.
         max_query_len: the most rows any one request has here, if known on the host (1: decode;
             ``auto`` then takes xqa). Changes only which kernel runs, never the token sets.
         rows_sorted: each row of ``indices`` holds its kept tokens ascending and dropped entries last

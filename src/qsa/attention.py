@@ -168,6 +168,17 @@ def xqa_attention(q, k, v, plan: SingleRowPlan, *, row_start: int, out, lse, gat
                num_splits=splits, xqa_lists=n * hkv)
 
 
+def _row_scratch(scratch, rows: int, block_w: int, device) -> torch.Tensor:
+    """The scratch rows of the kernels that sort a row of ``indices`` themselves: ``scratch`` checked, or a new
+    ``[rows, block_w]`` int32 tensor."""
+    if scratch is None:
+        return torch.empty((rows, block_w), dtype=torch.int32, device=device)
+    if scratch.dtype != torch.int32 or scratch.shape[0] != rows or scratch.shape[1] < block_w \
+            or scratch.stride(1) != 1:
+        raise ValueError(f"scratch must be a [{rows}, >= {block_w}] int32 tensor, got {tuple(scratch.shape)}")
+    return scratch
+
+
 def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions, seq_lens, *, row_start: int,
                          out, lse, gate, softmax_scale, k_scale, v_scale, kv_fp8: bool,
                          config: routes.SplitConfig | None = None, num_splits: int | None = None,
@@ -191,11 +202,7 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
     splits = num_splits or cut_splits
     q, qk_scale = scores_scale(q, softmax_scale, k_scale)
     strides, g, lse_t = _common(q, k, v, out, gate, lse)
-    if scratch is None:
-        scratch = torch.empty((rows, block_w), dtype=torch.int32, device=q.device)
-    elif scratch.dtype != torch.int32 or scratch.shape[0] != rows or scratch.shape[1] < block_w \
-            or scratch.stride(1) != 1:
-        raise ValueError(f"scratch must be a [{rows}, >= {block_w}] int32 tensor, got {tuple(scratch.shape)}")
+    scratch = _row_scratch(scratch, rows, block_w, q.device)
     split_n = next_pow2(-(-tiles // splits) * cfg.tile_tokens)  # a split's entries, rounded up
     resolve = cfg.resolve_split and routes.direct_resolves(n * hkv, splits, split_n, cfg.programs_per_sm, q.device)
     defer = cfg.defer_check and resolve and splits > 1
@@ -236,6 +243,50 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
     elif splits > 1:
         _merge(part_acc, part_ml, out=out, lse=lse, gate=gate, row_offset=row_start, v_scale=v_scale,
                num_splits=splits, xqa_lists=n * hkv)
+
+
+def invariant_attention(q, k, v, indices, block_table, token_to_req, positions, seq_lens, *, out, lse, gate,
+                        softmax_scale, k_scale, v_scale, kv_fp8: bool, config: routes.InvariantConfig | None = None,
+                        fold: bool | None = None, scratch: torch.Tensor | None = None) -> None:
+    """All rows of ``out`` (and ``lse``) on the batch-invariant route, straight from ``indices``.
+
+    ``fold`` (default :func:`qsa.routes.invariant_folds`) picks one program per row and KV head that folds
+    the row's splits itself, or one per split and a merge launch; the two give the same bits, so the
+    choice, made from the batch's size, changes none. ``scratch`` as in :func:`xqa_direct_attention`."""
+    from .kernels.invariant import invariant_attention_kernel, invariant_merge_kernel
+
+    rows, hq, d = q.shape
+    if rows == 0:
+        return
+    hkv = k.shape[2]
+    G = hq // hkv
+    width = indices.shape[1]
+    cfg = config or routes.invariant_config(G, d)
+    block_w = max(16, next_pow2(width))
+    if fold is None:
+        fold = routes.invariant_folds(rows * hkv)
+    splits = -(-routes.direct_tiles(width, cfg.tile_tokens) // cfg.split_tiles)
+    q, qk_scale = scores_scale(q, softmax_scale, k_scale)
+    strides, g, lse_t = _common(q, k, v, out, gate, lse)
+    scratch = _row_scratch(scratch, rows, block_w, q.device)
+    part_acc, part_ml = (out, out) if fold else _partials(rows, hq, splits, d, q.device)
+    shared = dict(G=G, BLOCK_G=max(16, next_pow2(G)), NUM_SPLITS=splits, HEAD_DIM=d, HAS_GATE=gate is not None,
+                  RETURN_LSE=lse is not None)
+    invariant_attention_kernel[(rows, hkv, 1 if fold else splits)](
+        q, k, v, indices, block_table, token_to_req, positions, seq_lens, scratch, g, out, lse_t, part_acc, part_ml,
+        width, block_table.shape[0], block_table.shape[1], k.shape[0], hq, qk_scale, float(v_scale),
+        stride_idx_row=indices.stride(0), stride_scratch_row=scratch.stride(0), stride_bt=block_table.stride(0),
+        **strides, **shared, BLOCK_N=cfg.tile_tokens, BLOCK_W=block_w, SPLIT_TILES=cfg.split_tiles,
+        SPLIT_N=next_pow2(cfg.split_tiles * cfg.tile_tokens), FOLD=fold,
+        BLOCK_SIZE=k.shape[1], KV_FP8=kv_fp8, SAME_KV_STRIDES=same_kv_strides(k, v), DOT_DTYPE=_dot_dtype(q),
+        HALVES=cfg.qk_halves and d >= 32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **launch_options(q.device))
+    if not fold:
+        block_d = routes.invariant_merge_columns(splits, d)
+        invariant_merge_kernel[(rows, hkv, d // block_d)](
+            part_acc, part_ml, g, out, lse_t, hq, float(v_scale), strides["stride_o_row"], strides["stride_o_head"],
+            strides["stride_g_row"], strides["stride_g_head"], strides["stride_lse_row"], **shared,
+            BLOCK_D=block_d, num_warps=4, **launch_options(q.device))
 
 
 def splitk_attention(q, k, v, tokens, counts, block_table, token_to_req, *, block_size: int, out, lse,

@@ -31,7 +31,7 @@ def info(args) -> int:
         print(f"device: cpu ({os.cpu_count()} cores), Triton interpreter "
               f"{'on' if interpreter_enabled() else 'off (TRITON_INTERPRET=1 turns it on)'}")
     no_triton = routes.triton_available(device)
-    for route in ("grouped", "xqa", "splitk", "reference"):
+    for route in ("grouped", "xqa", "splitk", "invariant", "reference"):
         ok = route == "reference" or no_triton is None
         why = "" if ok else f" ({no_triton})"
         print(f"route {route:9s} {'supported' if ok else 'unavailable'}{why}")

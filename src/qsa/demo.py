@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="qsa demo", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
     p.add_argument("--route", default="auto", choices=ROUTES,
-                   help="attention route: auto, grouped, xqa, splitk, reference")
+                   help="attention route: auto, grouped, xqa, splitk, invariant, reference")
     p.add_argument("--plan-order", default="logical", choices=("logical", "physical"),
                    help="physical: also run a physical-order plan to show why the order is logical")
     p.add_argument("--layers", type=int_at_least(1))

@@ -174,7 +174,7 @@ class StepMetadata:
         block_table: ``[num_reqs, max_blocks]`` int32 logical -> physical block (-1: none).
         slot_mapping: ``[T]`` int64 cache slot of each row's new K/V (-1: not written).
         block_size: tokens per KV block.
-        route: attention route for this step ("auto", "grouped", "xqa", "splitk", "reference").
+        route: attention route for this step ("auto", "grouped", "xqa", "splitk", "invariant", "reference").
         max_query_len: the most rows of one request in this step (host int; 1 for a decode step, whose
             auto route is then xqa, see :func:`qsa.routes.choose`).
         plan_order: "logical" (the contract) or "physical" (the demonstration of why it matters).

@@ -494,6 +494,14 @@ class AttentionCase:
                                             fill="nan")
         return replace(self, cache=cache, block_table=table)
 
+    def take_rows(self, rows) -> "AttentionCase":
+        """The problem of rows ``rows`` (a list or tensor of row numbers, in that order, repeats allowed) of
+        this one: the same cache, table and lengths."""
+        rows = torch.as_tensor(rows, dtype=torch.long, device=self.q.device)
+        return replace(self, q=self.q[rows], gate=None if self.gate is None else self.gate[rows],
+                       indices=self.indices[rows], token_to_req=self.token_to_req[rows],
+                       positions=self.positions[rows])
+
     def with_permuted_indices(self, generator: torch.Generator) -> "AttentionCase":
         """The same problem with the entries of each ``indices`` row shuffled."""
         perm = torch.argsort(torch.rand(self.indices.shape, generator=generator), dim=1)

@@ -5,6 +5,9 @@ Routes:
 * ``grouped`` -- page4 grouped plan, K/V tiles shared by ``GROUP_ROWS`` adjacent rows x all heads.
 * ``xqa`` -- page4 single-row plan, all G heads of a KV head per program, split + ordered merge.
 * ``splitk`` -- token lists through the block table; any G; the baseline and fallback.
+* ``invariant`` -- batch-invariant: every row on its own, cut into splits of a fixed size at fixed
+  positions of its list and folded in list order, with settings fixed by the shape alone, so a row's
+  output bits depend only on its own inputs, never on the batch (:func:`invariant_config`). Only on request.
 * ``reference`` -- the pure PyTorch reference (CPU without the Triton interpreter, or on request).
 
 ``auto`` sends ``rows // GROUP_ROWS * GROUP_ROWS`` rows to ``grouped`` when there are at least
@@ -34,7 +37,7 @@ from .utils import check_bool, check_int, device_facts, interpreter_enabled, nex
 
 logger = logging.getLogger("qsa")
 
-ROUTES = ("auto", "grouped", "xqa", "splitk", "reference")
+ROUTES = ("auto", "grouped", "xqa", "splitk", "invariant", "reference")
 GROUP_ROWS = 8
 GROUPED_MIN_ROWS = 64
 HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -98,6 +101,19 @@ class SplitConfig:
     # recomputes a row found out of order (``xqa_direct_kernel``'s ``DEFER_CHECK``)
     qk_halves: bool = False  # xqa (planned and direct) and splitk: K/V tiles and scores over the head's two
     # column halves (``attend_tile_halves``)
+
+
+@dataclass(frozen=True)
+class InvariantConfig:
+    """Settings of the batch-invariant route. ``tile_tokens``, ``split_tiles``, ``num_warps`` and ``qk_halves``
+    decide how a row's sums round, so they come from the shape alone (:func:`invariant_config`);
+    ``num_stages`` only schedules the loads."""
+
+    tile_tokens: int  # tokens per K/V tile
+    split_tiles: int  # tiles per split (split s holds list tiles [s * split_tiles, (s + 1) * split_tiles))
+    num_warps: int
+    num_stages: int
+    qk_halves: bool = False  # scores over the head's column halves (``attend_tile_halves``)
 
 
 @dataclass(frozen=True)
@@ -319,6 +335,38 @@ def splitk_config(G: int, head_dim: int, lists: int | None = None, kv_fp8: bool 
     return long
 
 
+INVARIANT_FOLD_LISTS = 256
+"""From this many lists (rows x KV heads) the batch-invariant route folds each row's splits in one program;
+below, a program per split and a merge launch (:func:`invariant_folds`)."""
+INVARIANT_MERGE_ELEMENTS = 16384
+"""Partial elements (all splits) one program of the batch-invariant merge holds: 128 per thread on 4 warps."""
+
+
+def invariant_config(G: int, head_dim: int) -> InvariantConfig:
+    """Settings of the batch-invariant route for a shape; nothing about the batch enters them.
+
+    The tile of the direct xqa kernel (32 tokens, 4 warps, the scores over column halves at head_dim 256)
+    and splits of 4 tiles: a 2051-wide row is 17 splits of 128 list positions, as many as the direct
+    kernel takes for one 16-row MTP step."""
+    return InvariantConfig(tile_tokens=32, split_tiles=4, num_warps=4, num_stages=3, qk_halves=head_dim >= 256)
+
+
+def invariant_folds(lists: int) -> bool:
+    """Whether a batch-invariant launch of ``lists`` lists folds each row's splits in one program (from
+    ``INVARIANT_FOLD_LISTS`` lists: a program per list then fills the GPU, and no partials are written)
+    rather than running a program per split and a merge. Either gives the same bits."""
+    return lists >= INVARIANT_FOLD_LISTS
+
+
+def invariant_merge_columns(num_splits: int, head_dim: int, block_g: int = 16) -> int:
+    """Columns per program of the batch-invariant merge, which holds every split's partial tile of
+    ``block_g`` heads at once: the most (a power of two dividing ``head_dim``, at least 16 where the head
+    has them) within ``INVARIANT_MERGE_ELEMENTS``. Changes no bit (the fold is column by column)."""
+    cols = max(1, INVARIANT_MERGE_ELEMENTS // (block_g * max(num_splits, 1)))
+    cols = 1 << (cols.bit_length() - 1)
+    return max(min(16, head_dim), min(head_dim, cols))
+
+
 def page4_refusal(G: int, head_dim: int) -> str | None:
     """Why the page4 routes (grouped, xqa) cannot take this shape, or None."""
     if head_dim not in HEAD_DIMS:
@@ -408,6 +456,12 @@ def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device
     refusal = page4_refusal(G, head_dim)
     if route == "splitk":
         return RoutePlan("splitk", 0)
+    if route == "invariant":
+        if refusal is not None:
+            raise ValueError(f"route='invariant' cannot run: {refusal}")
+        if index_width is not None and next_pow2(max(index_width, 1)) > DIRECT_MAX_WIDTH:
+            raise ValueError(f"route='invariant' takes indices at most {DIRECT_MAX_WIDTH} wide, got {index_width}")
+        return RoutePlan("invariant", 0)
     if route in ("grouped", "xqa"):
         if refusal is not None:
             raise ValueError(f"route={route!r} cannot run: {refusal}")
