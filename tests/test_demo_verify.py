@@ -200,6 +200,22 @@ def test_verify_catches_the_physical_order(device):
     assert checks[0].status == "FAIL" and "out" in checks[0].detail
 
 
+def test_verify_batch_invariance(monkeypatch):
+    """``--route invariant``: the step's rows in sub-batches (reversed, half, alone) give the whole step's bits;
+    a batch-dependent attention fails the check; other routes skip it (they promise a fixed batch shape's
+    bits only)."""
+    step = verify.capture_step("cpu")
+    v = verify.Verifier(step, route="invariant", sample=2, log=lambda *_: None)
+    c = v.batch_invariance()
+    assert (c.status, c.runs) == ("ok", 4), c.detail
+    base = (v.base_out, v.base_lse)
+    monkeypatch.setattr(verify, "_attend_rows", lambda step, rows, route: (
+        base[0][rows] + (len(rows) == 1), base[1][rows]))  # a row alone computed otherwise
+    c = v.batch_invariance()
+    assert c.status == "FAIL" and "alone" in c.detail
+    assert verify.Verifier(step, route="reference", sample=2, log=lambda *_: None).batch_invariance().skipped
+
+
 @pytest.mark.gpu
 def test_gpu_demo_and_verify(capsys):
     """On a GPU: the reference-shape demo with CUDA-graph decode, and verify with graph replays."""
@@ -208,3 +224,7 @@ def test_gpu_demo_and_verify(capsys):
     assert verify.main(["-n", "6"]) == 0
     out = capsys.readouterr().out
     assert any(row.startswith("cuda graph replay") and " ok " in row for row in out.splitlines())
+    assert verify.main(["-n", "2", "--route", "invariant"]) == 0
+    out = capsys.readouterr().out
+    for check in ("cuda graph replay", "batch invariance"):
+        assert any(row.startswith(check) and " ok " in row for row in out.splitlines()), check

@@ -11,6 +11,8 @@ replayed and compared bit for bit:
 * permuted index order -- the entries of every row of ``indices`` shuffled;
 * CUDA-graph replay (GPU only) -- selection + plan + attention captured once, replayed on the original
   and on relocated data;
+* batch invariance (``--route invariant`` only) -- the attention of sub-batches of the step (rows alone, the
+  first half, the rows in reverse order) against the same rows of the whole step;
 * and, for scale, the output against the fp64 reference (within twice PyTorch's own error).
 
 The attention replays use the step's own selection; the selection itself is replayed (and rows'
@@ -178,6 +180,16 @@ def _attend(step: StepInputs, kv, table, indices, route: str, order: str = "logi
                           max_query_len=max_query_len, rows_sorted=True)
     return run_attention(plan, step.q, kv[:, 0], kv[:, 1], gate=step.gate, kv_cache_dtype=step.kv_cache_dtype,
                          k_scale=step.k_scale, v_scale=step.v_scale, return_lse=True)
+
+
+def _attend_rows(step: StepInputs, rows: torch.Tensor, route: str):
+    """The attention of rows ``rows`` of the step (in that order) as a batch of their own."""
+    from .api import sparse_paged_attention
+
+    return sparse_paged_attention(step.q[rows], step.kv[:, 0], step.kv[:, 1], step.indices[rows], step.block_table,
+                                  step.token_to_req[rows], step.positions[rows], step.seq_lens, gate=step.gate[rows],
+                                  kv_cache_dtype=step.kv_cache_dtype, k_scale=step.k_scale, v_scale=step.v_scale,
+                                  return_lse=True, route=route)
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -367,6 +379,28 @@ class Verifier:
                                 f"{n} relocations: bitwise equal to eager")
         return c
 
+    def batch_invariance(self) -> Check:
+        """The step's rows in batches of other sizes and orders: the same bits per row (the invariant route
+        promises it; the others promise bits for a fixed batch shape only, so the check is skipped)."""
+        c = Check("batch invariance")
+        if self.choice.route != "invariant":
+            c.skipped = True
+            c.detail = f"route {self.choice.route}: same bits for a fixed batch shape only (--route invariant)"
+            return c
+        n = self.step.rows
+        every = torch.arange(n, device=self.device)
+        batches = {"rows in reverse order": every.flip(0), "first half alone": every[: max(1, n // 2)]}
+        for r in self.rows[torch.linspace(0, len(self.rows) - 1, 3).round().long().unique()].tolist():
+            batches[f"row {r} alone"] = every[r:r + 1]
+        for what, rows in batches.items():
+            out, lse = _attend_rows(self.step, rows, self.route)
+            c.runs += 1
+            if not (_same(out, self.base_out[rows]) and _same(lse, self.base_lse[rows])):
+                c.failures += 1
+                c.detail = f"{what}: out or lse differ from the whole step's rows"
+        c.detail = c.detail or f"{len(batches)} sub-batches (reversed, half, single rows): bitwise equal per row"
+        return c
+
     def accuracy(self) -> Check:
         """The output against the fp64 reference on a sample of rows (not bitwise; for scale)."""
         from .reference import assert_close_like_torch, reference_attention
@@ -416,7 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int_in_range(SEED_MIN, SEED_MAX), default=0,
                    help="model, prompts and relocation seed")
     p.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
-    p.add_argument("--route", default="auto", choices=ROUTES, help="auto, grouped, xqa, splitk or reference")
+    p.add_argument("--route", default="auto", choices=ROUTES, help="auto, grouped, xqa, splitk, invariant or reference")
     p.add_argument("--sample", type=int_at_least(1), default=None,
                    help=f"rows whose selection is replayed and whose indices are shuffled (default all on the "
                         f"GPU, {CPU_SAMPLE} on the CPU)")
@@ -482,7 +516,8 @@ def _verify(args, device: torch.device) -> int:
                   "none, so the replays below run as in the logical order")
     sample = args.sample if args.sample is not None else (None if device.type == "cuda" else CPU_SAMPLE)
     v = Verifier(step, route=args.route, seed=args.seed, plan_order=args.plan_order, sample=sample)
-    checks = [v.repeat(), *v.relocations(n), v.permuted(), v.cuda_graph(min(n, 4)), v.accuracy()]
+    checks = [v.repeat(), *v.relocations(n), v.permuted(), v.cuda_graph(min(n, 4)), v.batch_invariance(),
+              v.accuracy()]
     print(report(checks))
     failed = [c for c in checks if c.status == "FAIL"]
     print(f"{'FAIL' if failed else 'OK'}: {sum(c.runs for c in checks)} replays, "
