@@ -12,8 +12,9 @@ import fnmatch
 from dataclasses import dataclass, field
 
 K = 1024
-ATTENTION_ROUTES = ("grouped", "xqa", "splitk")
-"""Kernel routes of ``qsa`` (each checked against the fp32 reference before it is timed)."""
+ATTENTION_ROUTES = ("grouped", "xqa", "splitk", "invariant")
+"""Kernel routes of ``qsa`` (each checked against the fp32 reference before it is timed). ``invariant`` (the
+batch-invariant route) is measured for its cost; no target takes it."""
 BASELINES = ("naive",)
 """Plain PyTorch: gather per row, matmul, softmax, matmul, in row chunks."""
 COMPONENTS = ("planner",)
@@ -94,8 +95,8 @@ class Scenario:
         return f"{self.rows} rows x {self.num_reqs} req @ {self.context // K}K, {shape}, {cache}"
 
 
-def _prefill(name, context, overlap, *, quick=False, **kw):
-    routes = ("grouped", "xqa", "splitk", "naive", "planner")
+def _prefill(name, context, overlap, *, quick=False, invariant=False, **kw):
+    routes = ("grouped", "xqa", "splitk") + (("invariant",) if invariant else ()) + ("naive", "planner")
     return Scenario(name=name, rows=8192, context=context, overlap=overlap, routes=routes,
                     quick_routes=("grouped", "splitk", "naive", "planner"), quick=quick,
                     description=kw.pop("description", ""), **kw)
@@ -103,13 +104,14 @@ def _prefill(name, context, overlap, *, quick=False, **kw):
 
 def _mtp(rows, *, quick=False):
     return Scenario(name=f"mtp-{rows}", rows=rows, context=64 * K, overlap=0.8,
-                    routes=("grouped", "xqa", "splitk", "naive"), quick=quick,
+                    routes=("grouped", "xqa", "splitk", "invariant", "naive"), quick=quick,
                     description=f"{rows} MTP rows of one request @ 64K")
 
 
-def _decode(rows, *, suffix="", quick=False, **kw):
+def _decode(rows, *, suffix="", quick=False, invariant=False, **kw):
     # grouped too from 16 rows: one row per request, so a group's 8 rows share no microblock
-    routes = ("grouped", "xqa", "splitk", "naive") if rows >= 16 else ("xqa", "splitk", "naive")
+    routes = (("grouped",) if rows >= 16 else ()) + ("xqa", "splitk") + (("invariant",) if invariant else ()) \
+        + ("naive",)
     return Scenario(name=f"decode-{rows}{suffix}", rows=rows, context=64 * K, num_reqs=rows, overlap=None,
                     routes=routes, quick=quick, **kw)
 
@@ -122,9 +124,9 @@ def _selection(rows, context, *, quick=False):
 
 SCENARIOS: tuple[Scenario, ...] = (
     # --- the quick set (key targets) ---
-    _prefill("prefill-64k-o80", 64 * K, 0.8, quick=True),
+    _prefill("prefill-64k-o80", 64 * K, 0.8, quick=True, invariant=True),
     _prefill("prefill-64k-o98", 64 * K, 0.98, quick=True),
-    _decode(64, quick=True),
+    _decode(64, quick=True, invariant=True),
     _mtp(8, quick=True),
     _selection(8192, 64 * K, quick=True),
     # --- prefill ---
@@ -132,14 +134,14 @@ SCENARIOS: tuple[Scenario, ...] = (
     _prefill("prefill-128k-o98", 128 * K, 0.98),
     _prefill("prefill-8k-o80", 8 * K, 0.8),
     _prefill("prefill-8k-o98", 8 * K, 0.98),
-    _prefill("prefill-64k-indexer", 64 * K, None, selection="indexer", drift=0.2,
+    _prefill("prefill-64k-indexer", 64 * K, None, selection="indexer", drift=0.2, invariant=True,
              description="8192 rows @ 64K, selections from qsa.select_tokens on synthetic drifting keys"),
     # --- mtp / decode ---
     _mtp(5),
     _mtp(16),
-    _decode(1),
-    _decode(16),
-    _decode(256),
+    _decode(1, invariant=True),
+    _decode(16, invariant=True),
+    _decode(256, invariant=True),
     # --- shape and dtype variants ---
     _prefill("prefill-64k-o80-12x1", 64 * K, 0.8, num_q_heads=12, num_kv_heads=1),
     _prefill("prefill-64k-o80-24x2", 64 * K, 0.8, num_q_heads=24, num_kv_heads=2),
@@ -156,7 +158,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(name="tiny-prefill", rows=20, context=256, num_q_heads=2, num_kv_heads=1, head_dim=16, topk=8,
              overlap=0.8, routes=("grouped", "xqa", "splitk", "naive", "planner"), test_only=True),
     Scenario(name="tiny-decode", rows=3, context=200, num_reqs=3, num_q_heads=2, num_kv_heads=1, head_dim=16,
-             topk=8, overlap=None, kv_cache_dtype="fp8_e4m3", routes=("xqa", "splitk", "naive"),
+             topk=8, overlap=None, kv_cache_dtype="fp8_e4m3", routes=("xqa", "splitk", "invariant", "naive"),
              test_only=True),
     Scenario(name="tiny-selection", kind="selection", rows=6, context=256, topk=8, overlap=None,
              routes=SELECTION_ROUTES, test_only=True),

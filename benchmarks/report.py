@@ -317,7 +317,7 @@ def write_markdown(report: dict, path: Path, *, plot: Path | None, history: list
     path.write_text("\n".join(lines))
 
 
-PLOT_ROUTES = ("grouped", "xqa", "splitk", "naive", "floor-bytes-grouped", "floor-bytes-row", "floor-flops",
+PLOT_ROUTES = ("grouped", "xqa", "splitk", "invariant", "naive", "floor-bytes-grouped", "floor-bytes-row", "floor-flops",
                "select", "torch-select")
 
 

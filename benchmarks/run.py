@@ -163,7 +163,7 @@ class Suite:
         self.fatal: str | None = None
         self.route_builders = {
             "grouped": self._kernel_route, "xqa": self._kernel_route, "splitk": self._kernel_route,
-            "naive": self._naive_route,
+            "invariant": self._kernel_route, "naive": self._naive_route,
         }
 
     # -- helpers ---------------------------------------------------------------------------------

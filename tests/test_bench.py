@@ -414,7 +414,7 @@ def test_end_to_end_tiny_run(tmp_path, capsys):
     assert by[("tiny-prefill", "grouped")]["replay_equal"]
     assert by[("tiny-prefill", "planner")]["median_ms"] > 0
     assert by[("tiny-prefill", "floor-bytes-grouped")]["bytes"] < by[("tiny-prefill", "floor-bytes-row")]["bytes"]
-    for route in ("xqa", "splitk", "naive"):
+    for route in ("xqa", "splitk", "invariant", "naive"):
         assert by[("tiny-decode", route)]["passed"]
     assert by[("tiny-selection", "select")]["exact"] and by[("tiny-selection", "select")]["median_ms"] > 0
     assert by[("tiny-selection", "torch-select")]["passed"]
