@@ -76,8 +76,9 @@ def assert_batch_invariant(runner, case: AttentionCase, seed: int = 0):
     expect(runner(case.relocated(random_mapping(case.cache.num_blocks, generator=g))), 0, rows, "pages moved")
 
 
-@pytest.mark.parametrize("dtype,kv_cache_dtype,halves", [(torch.float16, "auto", False), (torch.float16, "auto", True),
-                                                         (torch.bfloat16, "auto", True), (torch.float16, "fp8_e4m3", True)])
+@pytest.mark.parametrize("dtype,kv_cache_dtype,halves", [
+    (torch.float16, "auto", False), (torch.float16, "auto", True), (torch.bfloat16, "auto", True),
+    (torch.float16, "fp8_e4m3", True)])
 def test_invariant_matches_reference_with_fold_and_merge(dtype, kv_cache_dtype, halves):
     """Messy rows (duplicates, -1, tokens past the position, the length and the table, table entries -1
     and past the cache, padding rows) over several splits: exact when the kernel folds the splits and
@@ -173,10 +174,12 @@ def test_invariant_settings_and_admission():
     assert not r.invariant_folds(r.INVARIANT_FOLD_LISTS - 1) and r.invariant_folds(r.INVARIANT_FOLD_LISTS)
     assert r.invariant_merge_columns(17, 256) == 32 and r.invariant_merge_columns(1, 256) == 256
     assert r.invariant_merge_columns(2000, 256) == 16 and r.invariant_merge_columns(2000, 16) == 16
-    assert all(16 * c * n <= r.INVARIANT_MERGE_ELEMENTS for n in (1, 5, 17, 33) for c in [r.invariant_merge_columns(n, 256)])
+    assert all(16 * r.invariant_merge_columns(n, 256) * n <= r.INVARIANT_MERGE_ELEMENTS for n in (1, 5, 17, 33))
+    assert r.invariant_merge_columns(17, 256, block_g=32) == 16
     kw = dict(rows=4, device=torch.device("cpu"))
     assert r.choose("invariant", G=6, head_dim=256, index_width=2051, **kw).route == "invariant"
-    assert r.choose("auto", G=6, head_dim=256, index_width=2051, rows=100, device=torch.device("cpu")).route != "invariant"
+    assert r.choose("auto", G=6, head_dim=256, index_width=2051, rows=100,
+                    device=torch.device("cpu")).route != "invariant"
     with pytest.raises(ValueError, match="at most 4096 wide"):
         r.choose("invariant", G=6, head_dim=256, index_width=4097, **kw)
     with pytest.raises(ValueError, match="heads per tile"):

@@ -123,8 +123,8 @@ def _partials(n, hq, splits, d, device, copies: int = 1):
     return [(acc[i], ml[i]) for i in range(copies)]
 
 
-def _score_halves(cfg: routes.SplitConfig, head_dim: int) -> bool:
-    """Whether an xqa or splitk launch takes its scores over the head's column halves: as ``cfg`` says,
+def _score_halves(cfg: routes.SplitConfig | routes.InvariantConfig, head_dim: int) -> bool:
+    """Whether an xqa, splitk or invariant launch takes its scores over the head's column halves: as ``cfg`` says,
     where a half (at least 16 columns) is deep enough for a dot; the planned and the direct xqa kernel
     decide alike."""
     return cfg.qk_halves and head_dim >= 32
@@ -270,7 +270,8 @@ def invariant_attention(q, k, v, indices, block_table, token_to_req, positions, 
     strides, g, lse_t = _common(q, k, v, out, gate, lse)
     scratch = _row_scratch(scratch, rows, block_w, q.device)
     part_acc, part_ml = (out, out) if fold else _partials(rows, hq, splits, d, q.device)
-    shared = dict(G=G, BLOCK_G=max(16, next_pow2(G)), NUM_SPLITS=splits, HEAD_DIM=d, HAS_GATE=gate is not None,
+    block_g = max(16, next_pow2(G))
+    shared = dict(G=G, BLOCK_G=block_g, NUM_SPLITS=splits, HEAD_DIM=d, HAS_GATE=gate is not None,
                   RETURN_LSE=lse is not None)
     invariant_attention_kernel[(rows, hkv, 1 if fold else splits)](
         q, k, v, indices, block_table, token_to_req, positions, seq_lens, scratch, g, out, lse_t, part_acc, part_ml,
@@ -279,10 +280,10 @@ def invariant_attention(q, k, v, indices, block_table, token_to_req, positions, 
         **strides, **shared, BLOCK_N=cfg.tile_tokens, BLOCK_W=block_w, SPLIT_TILES=cfg.split_tiles,
         SPLIT_N=next_pow2(cfg.split_tiles * cfg.tile_tokens), FOLD=fold,
         BLOCK_SIZE=k.shape[1], KV_FP8=kv_fp8, SAME_KV_STRIDES=same_kv_strides(k, v), DOT_DTYPE=_dot_dtype(q),
-        HALVES=cfg.qk_halves and d >= 32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        HALVES=_score_halves(cfg, d), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **launch_options(q.device))
     if not fold:
-        block_d = routes.invariant_merge_columns(splits, d)
+        block_d = routes.invariant_merge_columns(splits, d, block_g)
         invariant_merge_kernel[(rows, hkv, d // block_d)](
             part_acc, part_ml, g, out, lse_t, hq, float(v_scale), strides["stride_o_row"], strides["stride_o_head"],
             strides["stride_g_row"], strides["stride_g_head"], strides["stride_lse_row"], **shared,

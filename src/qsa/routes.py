@@ -339,7 +339,8 @@ INVARIANT_FOLD_LISTS = 256
 """From this many lists (rows x KV heads) the batch-invariant route folds each row's splits in one program;
 below, a program per split and a merge launch (:func:`invariant_folds`)."""
 INVARIANT_MERGE_ELEMENTS = 16384
-"""Partial elements (all splits) one program of the batch-invariant merge holds: 128 per thread on 4 warps."""
+"""Partial elements (all splits) of one program of the batch-invariant merge: 128 per thread on 4 warps, were
+all of its unrolled loads in flight at once."""
 
 
 def invariant_config(G: int, head_dim: int) -> InvariantConfig:
@@ -359,9 +360,9 @@ def invariant_folds(lists: int) -> bool:
 
 
 def invariant_merge_columns(num_splits: int, head_dim: int, block_g: int = 16) -> int:
-    """Columns per program of the batch-invariant merge, which holds every split's partial tile of
-    ``block_g`` heads at once: the most (a power of two dividing ``head_dim``, at least 16 where the head
-    has them) within ``INVARIANT_MERGE_ELEMENTS``. Changes no bit (the fold is column by column)."""
+    """Columns per program of the batch-invariant merge, whose programs fold every split's partial tile of
+    ``block_g`` matrix rows: the most (a power of two dividing ``head_dim``, at least 16 where the head has
+    them) within ``INVARIANT_MERGE_ELEMENTS``. Changes no bit (the fold is column by column)."""
     cols = max(1, INVARIANT_MERGE_ELEMENTS // (block_g * max(num_splits, 1)))
     cols = 1 << (cols.bit_length() - 1)
     return max(min(16, head_dim), min(head_dim, cols))

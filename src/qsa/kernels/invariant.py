@@ -205,8 +205,8 @@ def invariant_merge_kernel(
     PDL: tl.constexpr = 0,
 ):
     """The splits of one row and KV head (``BLOCK_D`` of their columns) folded in split order, as
-    ``invariant_attention_kernel`` with ``FOLD`` folds them: the same bits. Every split's partial is
-    loaded before the folds that wait on it (the loop is unrolled)."""
+    ``invariant_attention_kernel`` with ``FOLD`` folds them: the same bits. The loop is unrolled, so the
+    loads do not wait on the folds (sm_90: ptxas issues them 2-3 splits ahead of the fold that uses them)."""
     enter_launch(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     i_kvh = tl.program_id(1).to(tl.int64)
