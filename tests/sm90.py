@@ -201,23 +201,33 @@ def check_single_row_kernel(route, cache):
 
 def check_invariant_kernels(cache, width=2051):
     """The batch-invariant route's kernel as launched at 6/1/256 (folding, and a program per split) for
-    ``indices`` ``width`` wide, and its merge."""
-    cfg = routes.invariant_config(6, 256)
+    ``indices`` ``width`` wide, and its merge; a folding launch of many lists under its register cap."""
     ptrs = {**_attention_pointers("fp16", cache), "idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32",
             "pos_ptr": "*i64", "seq_lens_ptr": "*i32", "scratch_ptr": "*i32"}
-    splits = -(-routes.direct_tiles(width, cfg.tile_tokens) // cfg.split_tiles)
+    kv_fp8 = cache == "u8"
     usage = {}
-    for fold in (True, False):
+    launches = (("fold", True, routes.INVARIANT_FOLD_LISTS), ("split", False, 1),
+                ("fold-many", True, routes.INVARIANT_CAP_LISTS))
+    for name, fold, lists in launches:
+        cfg = routes.invariant_config(6, 256, lists, kv_fp8)
+        splits = -(-routes.direct_tiles(width, cfg.tile_tokens) // cfg.split_tiles)
         compiled, u = compile_sm90(
             invariant_attention_kernel, ptrs,
             dict(G=6, BLOCK_G=16, BLOCK_N=cfg.tile_tokens, BLOCK_W=max(16, triton.next_power_of_2(width)),
-                 SPLIT_TILES=cfg.split_tiles, NUM_SPLITS=splits, SPLIT_N=cfg.split_tiles * cfg.tile_tokens, FOLD=fold, KV_FP8=cache == "u8", SAME_KV_STRIDES=True,
-                 DOT_DTYPE=tl.float16, HALVES=cfg.qk_halves, **FLAGS),
-            floats=("qk_scale", "v_scale"), num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                 SPLIT_TILES=cfg.split_tiles, NUM_SPLITS=splits, SPLIT_N=cfg.split_tiles * cfg.tile_tokens,
+                 FOLD=fold, KV_FP8=kv_fp8, SAME_KV_STRIDES=True, DOT_DTYPE=tl.float16, HALVES=cfg.qk_halves,
+                 **FLAGS),
+            floats=("qk_scale", "v_scale"), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            maxnreg=cfg.max_registers)
         assert u["shared"] <= SMEM_LIMIT and u["pdl"], u
-        assert u["loop_spills"] == 0, ("fold" if fold else "split", cache, u)
+        assert u["loop_spills"] == 0, (name, cache, u)
         assert qk_chain_depth(compiled) == (8 if cfg.qk_halves else 16), u
-        usage["fold" if fold else "split"] = u
+        if cfg.max_registers:  # capped so that three programs share an SM: they fit
+            assert u["regs"] <= cfg.max_registers, u
+            assert_resident(3, cfg.num_warps, u, (name, cache))
+        usage[name] = u
+    cfg = routes.invariant_config(6, 256)
+    splits = -(-routes.direct_tiles(width, cfg.tile_tokens) // cfg.split_tiles)
     merge_ptrs = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "gate_ptr": "*fp16", "out_ptr": "*fp16",
                   "lse_ptr": "*fp32"}
     _, u = compile_sm90(invariant_merge_kernel, merge_ptrs,

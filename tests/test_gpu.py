@@ -423,13 +423,17 @@ def _cat(a, b):
     return {**a, **{k: torch.cat([a[k], b[k]]) for k in ("q", "gate", "indices", "token_to_req", "positions")}}
 
 
-@pytest.mark.parametrize("dtype,kv,heads", [(torch.float16, "auto", (6, 1)), (torch.bfloat16, "auto", (6, 1)),
-                                            (torch.float16, "fp8_e4m3", (6, 1)), (torch.float16, "auto", (24, 2))])
-def test_invariant_route_at_real_size(dtype, kv, heads):
+@pytest.mark.parametrize("dtype,kv,heads,head_dim", [
+    (torch.float16, "auto", (6, 1), 256), (torch.bfloat16, "auto", (6, 1), 256),
+    (torch.float16, "fp8_e4m3", (6, 1), 256), (torch.float16, "auto", (24, 2), 256),
+    # below 256 the scores are one product over the whole head (no column halves)
+    (torch.float16, "auto", (6, 1), 128), (torch.bfloat16, "fp8_e4m3", (12, 1), 64)])
+def test_invariant_route_at_real_size(dtype, kv, heads, head_dim):
     """The batch-invariant route against the fp32 reference at real width, folding in one program per row
     (1024 rows) and through the merge (64 rows, from the same rows: the same bits)."""
     c = qsa_case(rows=1024, context=32768, dtype=dtype, kv_cache_dtype=kv, num_q_heads=heads[0],
-                 num_kv_heads=heads[1], num_reqs=3, seed=6)
+                 num_kv_heads=heads[1], head_dim=head_dim, num_reqs=3, seed=6)
+    assert qsa.routes.invariant_config(heads[0] // heads[1], head_dim).qk_halves == (head_dim >= 256)
     assert qsa.routes.invariant_folds(1024) and not qsa.routes.invariant_folds(64 * heads[1])
     check_against_reference(c, "invariant")
     base = run(c, "invariant", gate=c["gate"], return_lse=True)

@@ -105,7 +105,7 @@ def test_the_public_route_is_batch_invariant_across_its_fold_threshold(monkeypat
     split and the merge, larger ones fold in one program per row: the same bits for every row."""
     case = make_attention_case(rows=7, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=40,
                                max_seq_len=160, with_gate=True, seed=44)
-    monkeypatch.setattr(routes, "invariant_config", lambda G, D: SMALL)
+    monkeypatch.setattr(routes, "invariant_config", lambda G, D, lists=None, kv_fp8=False: SMALL)
     monkeypatch.setattr(routes, "INVARIANT_FOLD_LISTS", 8)
     seen = []
     launcher = attention.invariant_attention
@@ -171,6 +171,19 @@ def test_invariant_settings_and_admission():
     cfg = r.invariant_config(6, 256)
     assert (cfg.tile_tokens, cfg.split_tiles, cfg.num_warps, cfg.qk_halves) == (32, 4, 4, True)
     assert not r.invariant_config(6, 128).qk_halves
+    # The launch's size may move only what schedules the work: the register cap and the stages.
+    sums = lambda c: (c.tile_tokens, c.split_tiles, c.num_warps, c.qk_halves)  # noqa: E731
+    for G, D in ((6, 256), (12, 256), (6, 128), (8, 64)):
+        for kv_fp8 in (False, True):
+            assert {sums(r.invariant_config(G, D, n, kv_fp8)) for n in (None, 1, 300, 1024, 9000)} \
+                == {sums(r.invariant_config(G, D))}
+    assert r.INVARIANT_CAP_LISTS >= r.INVARIANT_FOLD_LISTS  # the cap is a folding launch's
+    capped = r.invariant_config(6, 256, r.INVARIANT_CAP_LISTS)
+    assert (capped.max_registers, capped.num_stages) == (168, 2)
+    assert r.invariant_config(8, 256, 8192).max_registers == 168
+    for args in ((6, 256, r.INVARIANT_CAP_LISTS - 1), (6, 256, None), (6, 256, 8192, True), (12, 256, 8192),
+                 (6, 128, 8192)):
+        assert r.invariant_config(*args).max_registers is None, args
     assert not r.invariant_folds(r.INVARIANT_FOLD_LISTS - 1) and r.invariant_folds(r.INVARIANT_FOLD_LISTS)
     assert r.invariant_merge_columns(17, 256) == 32 and r.invariant_merge_columns(1, 256) == 256
     assert r.invariant_merge_columns(2000, 256) == 16 and r.invariant_merge_columns(2000, 16) == 16

@@ -261,7 +261,7 @@ def invariant_attention(q, k, v, indices, block_table, token_to_req, positions, 
     hkv = k.shape[2]
     G = hq // hkv
     width = indices.shape[1]
-    cfg = config or routes.invariant_config(G, d)
+    cfg = config or routes.invariant_config(G, d, rows * hkv, kv_fp8)
     block_w = max(16, next_pow2(width))
     if fold is None:
         fold = routes.invariant_folds(rows * hkv)
@@ -281,7 +281,7 @@ def invariant_attention(q, k, v, indices, block_table, token_to_req, positions, 
         SPLIT_N=next_pow2(cfg.split_tiles * cfg.tile_tokens), FOLD=fold,
         BLOCK_SIZE=k.shape[1], KV_FP8=kv_fp8, SAME_KV_STRIDES=same_kv_strides(k, v), DOT_DTYPE=_dot_dtype(q),
         HALVES=_score_halves(cfg, d), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_options(q.device))
+        **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}), **launch_options(q.device))
     if not fold:
         block_d = routes.invariant_merge_columns(splits, d, block_g)
         invariant_merge_kernel[(rows, hkv, d // block_d)](

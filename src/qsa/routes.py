@@ -107,13 +107,15 @@ class SplitConfig:
 class InvariantConfig:
     """Settings of the batch-invariant route. ``tile_tokens``, ``split_tiles``, ``num_warps`` and ``qk_halves``
     decide how a row's sums round, so they come from the shape alone (:func:`invariant_config`);
-    ``num_stages`` only schedules the loads."""
+    ``num_stages`` and ``max_registers`` only schedule the work (which programs share an SM, how far ahead
+    the loads run), so they may follow the launch's size."""
 
     tile_tokens: int  # tokens per K/V tile
     split_tiles: int  # tiles per split (split s holds list tiles [s * split_tiles, (s + 1) * split_tiles))
     num_warps: int
     num_stages: int
     qk_halves: bool = False  # scores over the head's column halves (``attend_tile_halves``)
+    max_registers: int | None = None  # register cap per thread (``maxnreg``) on the GPU; None: the compiler's
 
 
 @dataclass(frozen=True)
@@ -343,13 +345,32 @@ INVARIANT_MERGE_ELEMENTS = 16384
 all of its unrolled loads in flight at once."""
 
 
-def invariant_config(G: int, head_dim: int) -> InvariantConfig:
-    """Settings of the batch-invariant route for a shape; nothing about the batch enters them.
+INVARIANT_CAP_LISTS = 1024
+"""From this many lists a folding batch-invariant launch at head_dim 256 (G <= 8, a cache in q's dtype) caps
+its registers so that three programs share an SM (:func:`invariant_config`)."""
+
+
+def invariant_config(G: int, head_dim: int, lists: int | None = None, kv_fp8: bool = False) -> InvariantConfig:
+    """Settings of the batch-invariant route for a shape and a launch of ``lists`` lists (rows x KV heads;
+    None: not known) over an FP8 cache or not. What decides a row's bits comes from the shape alone.
 
     The tile of the direct xqa kernel (32 tokens, 4 warps, the scores over column halves at head_dim 256)
     and splits of 4 tiles: a 2051-wide row is 17 splits of 128 list positions, as many as the direct
-    kernel takes for one 16-row MTP step."""
-    return InvariantConfig(tile_tokens=32, split_tiles=4, num_warps=4, num_stages=3, qk_halves=head_dim >= 256)
+    kernel takes for one 16-row MTP step.
+
+    From ``INVARIANT_CAP_LISTS`` lists (where the launch folds) at head_dim 256 the kernel is capped at 168
+    registers on 2 stages: three programs per SM instead of two (244 registers uncapped), its spills all
+    outside the tile loop (``tests/sm90.py``). Bits unchanged. On the H200, plan + run, us, uncapped on 3
+    stages / capped on 3 / capped on 2 (benchmarks/results/experiments/2026-12-04-1850-invariant-register-
+    cap-nvidia-h200.json): rows of one 64K request (overlap 0.8) 512: 244 / 291 / 280, 1024: 475 / 438 /
+    416, 2048: 936 / 855 / 796, 4096: 1851 / 1573 / 1478, 8192: 3663 / 3005 / 2870; rows of distinct 16K
+    requests 512: 298 / 361 / 360, 1024: 572 / 567 / 586, 2048: 1114 / 1129 / 1143; decode-256 (64K)
+    172 / 170 / 192. Not measured: FP8 caches (a spill in the loop on 3 stages) and G > 8 (one in the loop
+    on 2 stages), which keep the compiler's count."""
+    cfg = InvariantConfig(tile_tokens=32, split_tiles=4, num_warps=4, num_stages=3, qk_halves=head_dim >= 256)
+    if lists is not None and lists >= INVARIANT_CAP_LISTS and head_dim == 256 and G <= 8 and not kv_fp8:
+        cfg = replace(cfg, num_stages=2, max_registers=168)
+    return cfg
 
 
 def invariant_folds(lists: int) -> bool:
