@@ -369,7 +369,7 @@ def invariant_config(G: int, head_dim: int, lists: int | None = None, kv_fp8: bo
     on 2 stages), which keep the compiler's count."""
     cfg = InvariantConfig(tile_tokens=32, split_tiles=4, num_warps=4, num_stages=3, qk_halves=head_dim >= 256)
     if lists is not None and lists >= INVARIANT_CAP_LISTS and head_dim == 256 and G <= 8 and not kv_fp8:
-        cfg = replace(cfg, num_stages=2, max_registers=168)
+        cfg = replace(cfg, num_stages=2, max_registers=DIRECT_MAX_REGISTERS)  # three 128-thread programs per SM
     return cfg
 
 
