@@ -383,7 +383,7 @@ def attention_workload(scn: Scenario, device) -> Workload:
         from qsa.indexer import select_tokens
 
         index_q, kc = synthetic_index_keys(scn, num_blocks, device=device, dyadic=False, drift=scn.drift)
-        indices = select_tokens(index_q, kc, table, t2r, pos, lens, k=scn.topk)
+        indices = select_tokens(index_q, kc, table, t2r, pos, lens, block_size=scn.block_size, k=scn.topk)
         del index_q, kc
     else:
         raise ValueError(f"unknown selection {scn.selection!r}")

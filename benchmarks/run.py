@@ -27,8 +27,8 @@ from pathlib import Path
 
 from . import registry
 from .registry import Scenario
-from .report import (RESULT_COLUMNS, SCENARIO_COLUMNS, TARGET_COLUMNS, _passed_ms, _record, build_report,
-                     device_info, result_rows, sanitize, scenario_rows, slug, target_rows, text_table,
+from .report import (RESULT_COLUMNS, SCENARIO_COLUMNS, TARGET_COLUMNS, _passed_ms, _record, build_report, cpu_text,
+                     device_info, is_cpu, result_rows, sanitize, scenario_rows, slug, target_rows, text_table,
                      write_json, write_markdown, write_plot)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -470,7 +470,7 @@ class Suite:
                     buf = torch.full_like(exact, -7)
 
                     def fn():
-                        select_tokens(*sw.args, k=scn.topk, out=buf)
+                        select_tokens(*sw.args, block_size=scn.block_size, k=scn.topk, out=buf)
 
                     graph = True
                 elif route == "torch-select":
@@ -645,9 +645,12 @@ def main(argv=None) -> int:
     stamp = started.strftime("%Y-%m-%d-%H%M")
     dated = out_dir / f"{stamp}-{slug(report['device'])}.json"
     write_json(dated, report)
-    print("\n" + text_table(SCENARIO_COLUMNS, scenario_rows(report)))
-    print("\n" + text_table(RESULT_COLUMNS, result_rows(report)))
-    print("\n" + text_table(TARGET_COLUMNS, target_rows(report)))
+    if is_cpu(report):  # what the interpreter run measured; the GPU's rates, floors and targets left out
+        print("\n" + cpu_text(report))
+    else:
+        print("\n" + text_table(SCENARIO_COLUMNS, scenario_rows(report)))
+        print("\n" + text_table(RESULT_COLUMNS, result_rows(report)))
+        print("\n" + text_table(TARGET_COLUMNS, target_rows(report)))
     if not args.no_docs:
         docs = Path(args.docs)
         plot = None

@@ -17,17 +17,167 @@ def _cpu_env():
     return env
 
 
-def test_demo_cli_cpu_default():
-    """``qsa demo`` with no arguments: the reference route, two placements, bitwise equal logits."""
-    res = subprocess.run([sys.executable, "-m", "qsa.cli", "demo", "--device", "cpu"], capture_output=True,
-                         text=True, env=_cpu_env(), timeout=300)
+def expected_routes(lens, chunk, new_tokens) -> str:
+    """The attention routes ``route="auto"`` takes for the demo's steps, worked out from the schedule: a
+    prefill step of at least ``GROUPED_MIN_ROWS`` rows is grouped in groups of ``GROUP_ROWS`` with its
+    leftover rows on xqa, a smaller one is xqa, and so is every decode step; in the demo's words."""
+    from qsa import routes, serving
+
+    prefill = {"grouped": 0, "xqa": 0}
+    for step in serving.prefill_schedule(lens, chunk):
+        rows = sum(c.end - c.start for c in step)
+        grouped = rows // routes.GROUP_ROWS * routes.GROUP_ROWS if rows >= routes.GROUPED_MIN_ROWS else 0
+        prefill["grouped"] += grouped > 0
+        prefill["xqa"] += rows > grouped
+
+    def steps(n, kind):
+        return f"{n} {kind} step{'s' * (n != 1)}"
+
+    parts = [f"grouped {steps(prefill['grouped'], 'prefill')}"] if prefill["grouped"] else []
+    xqa = [steps(n, kind) for n, kind in ((prefill["xqa"], "prefill"), (new_tokens - 1, "decode")) if n]
+    return ", ".join(parts + ([f"xqa {' + '.join(xqa)}"] if xqa else []))
+
+
+def check_kernels_ran(out: str, lens, chunk, new_tokens, stages: str = "Triton kernels") -> None:
+    """The demo's report of what ran: the kernel routes the schedule calls for, never the reference."""
+    prefix = "routes run (each of runs A and B): "
+    lines = [line for line in out.splitlines() if line.startswith(prefix)]
+    assert len(lines) == 1, out
+    attention, _, ran_stages = lines[0][len(prefix):].partition("; selection and cache writes: ")
+    assert "reference" not in attention, lines[0]
+    assert attention == expected_routes(lens, chunk, new_tokens), lines[0]
+    assert ran_stages == stages, lines[0]
+
+
+SMALL_DEMO = ["--layers", "1", "--requests", "2", "--prompt-len", "70", "--new-tokens", "3", "--chunk", "96"]
+SMALL_LENS, SMALL_CHUNK, SMALL_NEW = [70, 108], 96, 3  # the demo's prompts: 70 and 70 + 70 * 9 // 20 + 7
+
+
+def test_demo_cli_cpu_runs_the_kernels():
+    """``qsa demo`` on a CPU, no interpreter in the environment: it turns the interpreter on and runs the
+    Triton kernels (grouped prefill chunks, xqa leftovers and decode, Triton selection and cache writes),
+    and says so from what ran; two placements, bitwise equal logits. Small sizes keep it short."""
+    res = subprocess.run([sys.executable, "-m", "qsa.cli", "demo", "--device", "cpu", *SMALL_DEMO],
+                         capture_output=True, text=True, env=_cpu_env())
     assert res.returncode == 0, res.stdout + res.stderr
     out = res.stdout
     assert "bitwise equal" in out and "OK:" in out
     assert "prefill tok/s" in out and "decode tok/s" in out
-    assert "(prefill chunks: reference)" in out
+    assert "the Triton kernels run under the Triton interpreter" in out
+    assert f"{SMALL_LENS[0]}, {SMALL_LENS[1]} prompt tokens" in out
+    check_kernels_ran(out, SMALL_LENS, SMALL_CHUNK, SMALL_NEW)
+    assert "falls back" not in res.stderr
     table = [line for line in out.splitlines() if line.startswith(("A ", "B "))]
     assert len(table) == 2 and table[0].split()[3] != table[1].split()[3]  # different first blocks
+
+
+def test_the_kernel_check_rejects_a_demo_that_ran_the_reference(capsys):
+    """The check above fails on the output of a demo whose attention ran the PyTorch reference."""
+    status = demo.main(["--device", "cpu", "--route", "reference", *SMALL_DEMO, "--no-warmup"])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "routes run (each of runs A and B): reference 2 prefill steps + 2 decode steps; selection and cache " \
+           "writes: PyTorch implementations" in out
+    with pytest.raises(AssertionError):
+        check_kernels_ran(out, SMALL_LENS, SMALL_CHUNK, SMALL_NEW)
+    with pytest.raises(AssertionError):
+        check_kernels_ran(out, SMALL_LENS, SMALL_CHUNK, SMALL_NEW, stages="PyTorch implementations")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU demo under the interpreter, in this process")
+def test_demo_reports_the_fallback_of_a_broken_interpreter(monkeypatch, capsys):
+    """An interpreter that cannot run the kernels (the probe failed): auto runs the reference, the demo
+    reports that it did, and a forced route is refused with the reason (exit status 2)."""
+    from qsa import routes
+
+    reason = "the Triton interpreter cannot run qsa's kernels (probe failed); pip install 'numpy<2.4'"
+    monkeypatch.setattr(routes, "interpreter_problem", lambda: reason)
+    monkeypatch.setattr(routes, "_logged", set())
+    assert demo.main(["--device", "cpu", "--requests", "2", "--prompt-len", "20", "--new-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "routes run (each of runs A and B): reference " in out and "Triton interpreter" not in out
+    assert demo.main(["--device", "cpu", "--route", "xqa"]) == 2
+    assert f"qsa demo: --route xqa cannot run: {reason}" in capsys.readouterr().err
+    assert demo.main(["--device", "cpu", "--backend", "triton"]) == 2
+    assert f"qsa demo: --backend triton cannot run: {reason}" in capsys.readouterr().err
+    assert verify.main(["--device", "cpu", "--route", "grouped"]) == 2
+    assert f"qsa verify: --route grouped cannot run: {reason}" in capsys.readouterr().err
+
+
+def _launch_counter(monkeypatch):
+    """Count the attention launchers' calls by route, as :func:`qsa.run_attention` makes them."""
+    from collections import Counter
+
+    from qsa import attention, reference
+
+    launched = Counter()
+
+    def counting(real, route):
+        def launch(*args, **kwargs):
+            launched[route] += 1
+            return real(*args, **kwargs)
+        return launch
+
+    for name, route in (("grouped_attention", "grouped"), ("xqa_attention", "xqa"), ("xqa_direct_attention", "xqa"),
+                        ("splitk_attention", "splitk"), ("invariant_attention", "invariant")):
+        monkeypatch.setattr(attention, name, counting(getattr(attention, name), route))
+    monkeypatch.setattr(reference, "reference_attention", counting(reference.reference_attention, "reference"))
+    return launched
+
+
+def _generate_counting(monkeypatch, route):
+    """Serve two requests (68 and 10 tokens; chunks of 68 rows: 64 grouped + 4 xqa, then 10 xqa; 2 decode
+    steps) on a 2-layer model; returns the result and the kernels launched in each step."""
+    from collections import Counter
+
+    from qsa.model import TinyConfig, TinyQSAModel
+    from qsa.serving import Engine, ServingConfig
+
+    launched = _launch_counter(monkeypatch)
+    model = TinyQSAModel(TinyConfig.small(num_layers=2), device="cpu")
+    engine = Engine(model, ServingConfig(num_blocks=16, block_size=16, max_reqs=2, max_blocks_per_req=6, chunk_size=68,
+                                         route=route, backend="torch"))
+    per_step, seen = [], Counter()
+
+    def on_step(done, total, kind):
+        per_step.append(dict(launched - seen))
+        seen.update(launched - seen)
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (68, 10)]
+    res = engine.generate(prompts, 3, on_step=on_step)
+    return res, per_step
+
+
+def tally_mismatches(res, per_step) -> list[str]:
+    """Steps whose record of the routes run differs from the kernels launched in them."""
+    return [f"step {i} ({s.kind}): recorded {s.routes}, launched {launched}"
+            for i, (s, launched) in enumerate(zip(res.steps, per_step)) if s.routes != launched]
+
+
+@pytest.mark.parametrize("route", ["auto", "splitk", "reference"])
+def test_step_records_are_the_kernels_launched(route, monkeypatch):
+    """Each step's record of its attention routes (one count per layer) is what the launchers ran."""
+    res, per_step = _generate_counting(monkeypatch, route)
+    assert len(per_step) == len(res.steps) == 4
+    assert tally_mismatches(res, per_step) == []
+    if route == "auto":
+        assert [s.routes for s in res.steps] == [{"grouped": 2, "xqa": 2}, {"xqa": 2}, {"xqa": 2}, {"xqa": 2}]
+        assert res.route_steps() == {"grouped": {"prefill": 1, "decode": 0}, "xqa": {"prefill": 2, "decode": 2}}
+        assert demo.routes_run(res) == "grouped 1 prefill step, xqa 2 prefill steps + 2 decode steps"
+    else:
+        assert res.route_steps() == {route: {"prefill": 2, "decode": 2}}
+    assert res.backends() == {"torch"}
+
+
+def test_a_tally_of_the_admitted_route_is_rejected(monkeypatch):
+    """Recording the route admission named (grouped) instead of the kernels launched misses the xqa rows of
+    the mixed prefill step: the check fails."""
+    from qsa import layer
+
+    monkeypatch.setattr(layer, "routes_launched", lambda plan: (plan.routes.route,))
+    res, per_step = _generate_counting(monkeypatch, "auto")
+    assert len(tally_mismatches(res, per_step)) == 1
 
 
 def test_demo_physical_order_shows_the_defect(capfd):
@@ -38,7 +188,7 @@ def test_demo_physical_order_shows_the_defect(capfd):
                         "--new-tokens", "2"])
     out = capfd.readouterr().out
     assert status == 0, out
-    assert "(prefill chunks: grouped)" in out
+    assert "routes run (each of runs A and B): grouped " in out
     assert "logical order, placements A vs B: bitwise equal" in out
     assert "physical order (demonstration), placements C vs D: NOT bitwise equal" in out
 
@@ -71,6 +221,8 @@ def test_demo_fails_on_a_placement_dependent_defect(monkeypatch, capsys):
     ("verify", ["--load", "/nonexistent/step.pt"], "no such file"), ("verify", ["--device", "tpu"], "--device"),
     ("demo", ["--alloc-seeds", "1", "-1"], "absolute value"), ("demo", ["--alloc-seeds", "-7", "7"], "absolute value"),
     ("demo", ["--topk", str(indexer.MAX_K + 1), "--requests", "1"], "--topk"), ("demo", ["--topk", "0"], "--topk"),
+    ("demo", ["--route", "reference", "--backend", "triton"], "--backend triton"),
+    ("demo", ["--backend", "cuda"], "--backend"),
     ("demo", ["--seed", str(2**64)], "--seed"), ("demo", ["--seed", str(-(2**63) - 1)], "--seed"),
     ("verify", ["--seed", str(2**64), "--route", "reference"], "--seed"),
     ("verify", ["--save", "/nonexistent/step.pt", "--route", "reference"],
@@ -81,6 +233,13 @@ def test_cli_refuses_bad_arguments(cmd, args, match, capsys):
         (demo if cmd == "demo" else verify).main(["--device", "cpu", *args] if "--device" not in args else args)
     assert e.value.code == 2
     assert match in capsys.readouterr().err
+
+
+def test_every_demo_option_has_help():
+    actions = [a for a in demo.parser()._actions if a.dest != "help"]
+    assert len(actions) >= 16
+    for action in actions:
+        assert action.help and len(action.help) > 10, action.option_strings
 
 
 def test_demo_refuses_to_call_one_placement_independent(capsys):
@@ -220,7 +379,10 @@ def test_verify_batch_invariance(monkeypatch):
 def test_gpu_demo_and_verify(capsys):
     """On a GPU: the reference-shape demo with CUDA-graph decode, and verify with graph replays."""
     assert demo.main(["--layers", "2", "--requests", "3", "--prompt-len", "3000", "--new-tokens", "16"]) == 0
-    assert "bitwise equal" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "bitwise equal" in out
+    lens = [len(p) for p in demo._prompts(3, 3000, 4096, 0)]
+    check_kernels_ran(out, lens, demo.GPU_DEFAULTS["chunk"], 16)  # decode steps replayed from a CUDA graph
     assert verify.main(["-n", "6"]) == 0
     out = capsys.readouterr().out
     assert any(row.startswith("cuda graph replay") and " ok " in row for row in out.splitlines())

@@ -4,6 +4,7 @@ CPU tests run the Triton kernels under the interpreter with tiny shapes; ``gpu``
 sizes, CUDA graphs and bitwise comparisons on a real device.
 """
 
+import functools
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from qsa import indexer as ix
 from qsa import indexer_reference as ref
 
 NAN, INF = float("nan"), float("inf")
+BS = 16  # the main KV cache's block size of _stage_inputs (kc_cache rows per block: BS // 4)
 
 
 # helpers
@@ -285,7 +287,7 @@ def _stage_inputs(dtype, *, H=4, D=128, seed=0, block_size=16, device="cpu", int
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_block_scores_exact_inputs(device, dtype):
     args = _stage_inputs(dtype, device=device)
-    got = ix.block_scores(*args)
+    got = ix.block_scores(*args, block_size=BS)
     want = ref.block_scores_reference(*args)
     assert torch.equal(got, want)
 
@@ -296,21 +298,21 @@ def test_scores_cut_over_column_programs(device, monkeypatch):
     monkeypatch.setattr(ix, "_score_config", lambda n_cols, dtype: dict(cut))
     args = _stage_inputs(torch.bfloat16, device=device, seed=5)
     assert args[2].shape[1] * args[1].shape[1] > 16
-    assert torch.equal(ix.block_scores(*args), ref.block_scores_reference(*args))
-    assert torch.equal(ix.select_tokens(*args, k=3).cpu(), ref.select_tokens_reference(*args, k=3).cpu())
+    assert torch.equal(ix.block_scores(*args, block_size=BS), ref.block_scores_reference(*args))
+    assert torch.equal(ix.select_tokens(*args, block_size=BS, k=3).cpu(), ref.select_tokens_reference(*args, k=3).cpu())
 
 
 @pytest.mark.parametrize("H", [1, 3])
 def test_block_scores_head_counts(device, H):
     args = _stage_inputs(torch.bfloat16, H=H, D=64, block_size=8, device=device)
-    assert torch.equal(ix.block_scores(*args), ref.block_scores_reference(*args))
+    assert torch.equal(ix.block_scores(*args, block_size=8), ref.block_scores_reference(*args))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_block_scores_rounding(device, dtype):
     """Random inputs: kernel error vs fp64 at most 2x the fp32 reference's error plus a floor."""
     args = _stage_inputs(dtype, device=device, integer=False, seed=3)
-    got = ix.block_scores(*args).double().cpu()
+    got = ix.block_scores(*args, block_size=BS).double().cpu()
     exact = ref.block_scores_reference(*args, dtype=torch.float64).cpu()
     f32 = ref.block_scores_reference(*args).double().cpu()
     fin = torch.isfinite(exact)
@@ -324,7 +326,7 @@ def test_block_scores_rounding(device, dtype):
 def test_select_tokens_exact(device, k):
     args = _stage_inputs(torch.bfloat16, device=device, seed=k)
     out = poisoned((args[0].shape[0], 4 * k + 3), torch.int32, device).fill_(777)
-    got = ix.select_tokens(*args, k=k, out=out)
+    got = ix.select_tokens(*args, block_size=BS, k=k, out=out)
     assert got.data_ptr() == out.data_ptr()
     want = ref.select_tokens_reference(*args, k=k)
     assert torch.equal(got.cpu(), want.cpu())
@@ -336,7 +338,7 @@ def test_select_tokens_non_candidates_excluded(device):
     k = 16
     args = _stage_inputs(torch.float32, device=device, seed=5)
     q, kc, bt, req, pos, seq = (t.cpu() for t in args)
-    got = ix.select_tokens(*args, k=k).cpu()
+    got = ix.select_tokens(*args, block_size=BS, k=k).cpu()
     assert torch.equal(got, ref.select_tokens_reference(*args, k=k).cpu())
     rpb = kc.shape[1]
     vis = ref.visible_blocks_reference(req, pos, seq)
@@ -362,7 +364,9 @@ def test_positions_past_int32_select_as_past_the_length(device):
     near = torch.where(real, lens + 10, pos)
     far = near.clone()
     far[0], far[3], far[5] = 2**63 - 1, 2**31 + 5, 2**31 - 1
-    for fn in (ix.select_tokens, ix.torch_select_baseline, ref.select_tokens_reference):
+    select = functools.partial(ix.select_tokens, block_size=BS)
+    select.__name__ = "select_tokens"
+    for fn in (select, ix.torch_select_baseline, ref.select_tokens_reference):
         want = fn(q, kc, bt, req, near, seq, k=5)
         got = fn(q, kc, bt, req, far, seq, k=5)
         assert torch.equal(got.cpu(), want.cpu()), fn.__name__
@@ -374,11 +378,11 @@ def test_requests_past_int32_are_not_request_zero(device):
     q, kc, bt, req, pos, seq = _stage_inputs(torch.float32, device=device, seed=4)
     wide = req.long().clone()
     wide[0], wide[3] = 2**32, -2**40
-    got = ix.block_scores(q, kc, bt, wide, pos, seq)
+    got = ix.block_scores(q, kc, bt, wide, pos, seq, block_size=BS)
     want = ref.block_scores_reference(q, kc, bt, wide, pos, seq)
     assert torch.equal(got.cpu(), want.cpu())
     assert bool((got[[0, 3]] == -INF).all())
-    assert torch.equal(ix.select_tokens(q, kc, bt, wide, pos, seq, k=3).cpu(),
+    assert torch.equal(ix.select_tokens(q, kc, bt, wide, pos, seq, block_size=BS, k=3).cpu(),
                        ref.select_tokens_reference(q, kc, bt, wide, pos, seq, k=3).cpu())
 
 
@@ -388,13 +392,13 @@ def test_select_tokens_refuses_an_out_whose_rows_overlap(device):
     for out in (torch.empty(width, dtype=torch.int32, device=device).expand(rows, width),
                 torch.empty(5 * rows + width, dtype=torch.int32, device=device).as_strided((rows, width), (5, 1))):
         with pytest.raises(ValueError, match="share memory"):
-            ix.select_tokens(*args, k=2, out=out)
+            ix.select_tokens(*args, block_size=BS, k=2, out=out)
 
 
 def test_select_tokens_matches_baseline(device):
     """Tie-free random inputs: the PyTorch baseline gives the same selection."""
     args = _stage_inputs(torch.float32, device=device, integer=False, seed=7)
-    got = ix.select_tokens(*args, k=5)
+    got = ix.select_tokens(*args, block_size=BS, k=5)
     assert torch.equal(got.cpu(), ix.torch_select_baseline(*args, k=5).cpu())
 
 
@@ -408,13 +412,13 @@ def test_padded_heads_keep_an_infinite_score(device):
     kc[0, 1, 0] = 1.0
     args = (q.to(device), kc.to(device), torch.tensor([[0]], dtype=torch.int32, device=device),
             torch.tensor([0], device=device), torch.tensor([7], device=device), torch.tensor([8], device=device))
-    scores = ix.block_scores(*args)
+    scores = ix.block_scores(*args, block_size=8)
     assert scores[0, 0].item() == INF
     assert torch.equal(scores.cpu(), ref.block_scores_reference(*args).cpu())
     want = ref.select_tokens_reference(*args, k=1).cpu()
     assert want[0, :4].tolist() == [0, 1, 2, 3]
-    assert torch.equal(ix.select_tokens(*args, k=1).cpu(), want)
-    assert torch.equal(ix.select_tokens(*args, k=1, backend="torch").cpu(), want)
+    assert torch.equal(ix.select_tokens(*args, block_size=8, k=1).cpu(), want)
+    assert torch.equal(ix.select_tokens(*args, block_size=8, k=1, backend="torch").cpu(), want)
 
 
 def test_no_request_selects_nothing(device):
@@ -425,15 +429,15 @@ def test_no_request_selects_nothing(device):
     req, pos = torch.tensor([0, 1], device=device), torch.tensor([9, 5], device=device)
     seq = torch.zeros(0, dtype=torch.int32, device=device)
     args = (q, kc, bt, req, pos, seq)
-    got = ix.select_tokens(*args, k=2)
+    got = ix.select_tokens(*args, block_size=8, k=2)
     assert bool((got == -1).all()) and got.shape == (2, 11)
     assert torch.equal(ref.select_tokens_reference(*args, k=2), got)
-    assert torch.equal(ix.select_tokens(*args, k=2, backend="torch"), got)
+    assert torch.equal(ix.select_tokens(*args, block_size=8, k=2, backend="torch"), got)
     cand = ref.candidate_mask_reference(kc, bt, req, pos, seq)
     assert cand.shape == (2, 6) and not bool(cand.any())
     assert ref.visible_blocks_reference(req, pos, seq).tolist() == [0, 0]
     assert torch.equal(ref.expand_tokens_reference(torch.tensor([[0, 1], [-1, -1]], device=device), req, pos, seq), got)
-    assert torch.equal(ref.block_scores_reference(*args), ix.block_scores(*args))
+    assert torch.equal(ref.block_scores_reference(*args), ix.block_scores(*args, block_size=8))
 
 
 def test_torch_select_baseline_edges(device):
@@ -444,7 +448,8 @@ def test_torch_select_baseline_edges(device):
     q, kc, bt, req, pos, seq = args
     # no physical block (every table entry invalid) and no request: only causal tails, or nothing
     no_blocks = (q, kc[:0], bt, req, pos, seq)
-    assert torch.equal(ix.torch_select_baseline(*no_blocks, k=3).cpu(), ix.select_tokens(*no_blocks, k=3).cpu())
+    assert torch.equal(ix.torch_select_baseline(*no_blocks, k=3).cpu(),
+                       ix.select_tokens(*no_blocks, block_size=BS, k=3).cpu())
     no_reqs = (q, kc, bt[:0], req, pos, seq[:0])
     got = ix.torch_select_baseline(*no_reqs, k=3)
     assert got.shape == (q.shape[0], 15) and bool((got == -1).all())
@@ -520,7 +525,7 @@ def test_compressed_keys_invalid_table_entry_skipped(device):
     bt = torch.tensor([[2, -1, 9]], dtype=torch.int32, device=device)
     raw = torch.arange(12 * D, dtype=torch.float32).reshape(12, D).to(device)
     ix.update_compressed_keys(raw, torch.zeros(12, dtype=torch.int32, device=device),
-                              torch.arange(12, device=device), kc, bt, partial)
+                              torch.arange(12, device=device), kc, bt, partial, block_size=4)
     assert torch.equal(kc[2, 0].cpu(), ref.compressed_keys_reference(raw.cpu())[0])
     assert (kc[[0, 1, 3]] == 5.0).all()
 
@@ -539,7 +544,8 @@ def test_compressed_key_feeding_refuses_a_zero_width(device):
     bt = torch.zeros(1, 1, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="raw_k width D must be a power of two >= 1"):
         ix.update_compressed_keys(torch.zeros(4, 0, device=device), req, pos,
-                                  torch.zeros(2, 4, 0, device=device), bt, torch.zeros(1, 3, 0, device=device))
+                                  torch.zeros(2, 4, 0, device=device), bt, torch.zeros(1, 3, 0, device=device),
+                                  block_size=16)
 
 
 @pytest.mark.parametrize("change,exc,match", [
@@ -568,21 +574,21 @@ def test_compressed_key_cache_checks_its_geometry(change, exc, match):
 def test_bad_arguments(device):
     q, kc, bt, req, pos, seq = _stage_inputs(torch.bfloat16, device=device)
     with pytest.raises(ValueError, match="index_q"):
-        ix.select_tokens(q[:, 0], kc, bt, req, pos, seq)
+        ix.select_tokens(q[:, 0], kc, bt, req, pos, seq, block_size=BS)
     with pytest.raises(TypeError, match="kc_cache"):
-        ix.select_tokens(q, kc.float(), bt, req, pos, seq)
+        ix.select_tokens(q, kc.float(), bt, req, pos, seq, block_size=BS)
     with pytest.raises(ValueError, match="kc_cache"):
-        ix.select_tokens(q, kc[..., :64], bt, req, pos, seq)
+        ix.select_tokens(q, kc[..., :64], bt, req, pos, seq, block_size=BS)
     with pytest.raises(TypeError, match="block_table"):
-        ix.select_tokens(q, kc, bt.long(), req, pos, seq)
+        ix.select_tokens(q, kc, bt.long(), req, pos, seq, block_size=BS)
     with pytest.raises(ValueError, match="positions"):
-        ix.select_tokens(q, kc, bt, req, pos[:-1], seq)
+        ix.select_tokens(q, kc, bt, req, pos[:-1], seq, block_size=BS)
     with pytest.raises(TypeError, match="token_to_req"):
-        ix.select_tokens(q, kc, bt, req.float(), pos, seq)
+        ix.select_tokens(q, kc, bt, req.float(), pos, seq, block_size=BS)
     with pytest.raises(ValueError, match="seq_lens"):
-        ix.select_tokens(q, kc, bt, req, pos, seq[:-1])
+        ix.select_tokens(q, kc, bt, req, pos, seq[:-1], block_size=BS)
     with pytest.raises(ValueError, match="k must be"):
-        ix.select_tokens(q, kc, bt, req, pos, seq, k=0)
+        ix.select_tokens(q, kc, bt, req, pos, seq, block_size=BS, k=0)
     with pytest.raises(ValueError, match="k must be"):
         ix.topk_blocks(torch.zeros(2, 4, device=device), torch.zeros(2, dtype=torch.int32, device=device), 2049)
     with pytest.raises(TypeError, match="k must be"):
@@ -593,15 +599,16 @@ def test_bad_arguments(device):
         ix.topk_blocks(torch.zeros(2, 4, dtype=torch.int32, device=device),
                        torch.zeros(2, dtype=torch.int32, device=device), 2)
     with pytest.raises(ValueError, match="out"):
-        ix.select_tokens(q, kc, bt, req, pos, seq, k=2, out=torch.empty(3, 11, dtype=torch.int32, device=device))
+        ix.select_tokens(q, kc, bt, req, pos, seq, block_size=BS, k=2,
+                         out=torch.empty(3, 11, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="partial"):
         ix.update_compressed_keys(torch.zeros(4, 128, device=device), req[:4], pos[:4],
-                                  kc, bt, torch.zeros(3, 4, 128, device=device))
+                                  kc, bt, torch.zeros(3, 4, 128, device=device), block_size=BS)
     with pytest.raises(TypeError, match="index_q must be a torch.Tensor"):
-        ix.select_tokens(q.tolist(), kc, bt, req, pos, seq)
+        ix.select_tokens(q.tolist(), kc, bt, req, pos, seq, block_size=BS)
     with pytest.raises(TypeError, match="transform must be callable or None, got int"):
         ix.update_compressed_keys(torch.zeros(4, 128, device=device), req[:4], pos[:4], kc.float(), bt,
-                                  torch.zeros(bt.shape[0], 3, 128, device=device), transform=3)
+                                  torch.zeros(bt.shape[0], 3, 128, device=device), block_size=BS, transform=3)
 
 
 # GPU: production sizes, bitwise, CUDA graphs
@@ -650,15 +657,15 @@ def _gpu_stage(rows, n_blocks, *, num_reqs=3, block_size=64, seed=0, integer=Tru
 @pytest.mark.gpu
 def test_gpu_select_tokens_exact():
     args = _gpu_stage(1031, 8192, seed=1)
-    got = ix.select_tokens(*args, k=512)
+    got = ix.select_tokens(*args, block_size=64, k=512)
     assert torch.equal(got, ref.select_tokens_reference(*args, k=512))
-    assert torch.equal(got, ix.select_tokens(*args, k=512))
+    assert torch.equal(got, ix.select_tokens(*args, block_size=64, k=512))
 
 
 @pytest.mark.gpu
 def test_gpu_scores_rounding():
     args = _gpu_stage(300, 4096, seed=2, integer=False)
-    got = ix.block_scores(*args).double()
+    got = ix.block_scores(*args, block_size=64).double()
     exact = ref.block_scores_reference(*args, dtype=torch.float64)
     f32 = ref.block_scores_reference(*args).double()
     fin = torch.isfinite(exact)
@@ -670,7 +677,8 @@ def test_gpu_scores_rounding():
     cand = ref.candidate_mask_reference(kc, bt, req, pos, seq)
     vis = ref.visible_blocks_reference(req, pos, seq)
     blocks = ref.topk_blocks_reference(got.float(), vis, 512, candidates=cand)
-    assert torch.equal(ix.select_tokens(*args, k=512), ref.expand_tokens_reference(blocks, req, pos, seq))
+    assert torch.equal(ix.select_tokens(*args, block_size=64, k=512),
+                       ref.expand_tokens_reference(blocks, req, pos, seq))
 
 
 @pytest.mark.gpu
@@ -678,18 +686,18 @@ def test_gpu_cuda_graph_replay():
     k = 512
     a = _gpu_stage(515, 8192, seed=3)
     static = [t.clone() for t in a]
-    ix.select_tokens(*static, k=k)                                   # compile outside the capture
+    ix.select_tokens(*static, block_size=64, k=k)                    # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ix.select_tokens(*static, k=k)
+        out = ix.select_tokens(*static, block_size=64, k=k)
     for seed in (4, 5):
         b = _gpu_stage(515, 8192, seed=seed)
         for dst, src in zip(static, b):
             dst.copy_(src)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, ix.select_tokens(*b, k=k))
+        assert torch.equal(out, ix.select_tokens(*b, block_size=64, k=k))
         assert torch.equal(out, ref.select_tokens_reference(*b, k=k))
 
 

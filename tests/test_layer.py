@@ -184,7 +184,7 @@ def _selection_like(s, device):
     args = (s["iq"], s["kc"], m.block_table, m.token_to_req, m.positions, m.seq_lens)
     if torch.device(device).type == "cpu":
         return iref.select_tokens_reference(*args, k=TINY.index_topk)
-    return select_tokens(*args, k=TINY.index_topk, backend=m.backend).cpu()
+    return select_tokens(*args, block_size=m.block_size, k=TINY.index_topk, backend=m.backend).cpu()
 
 
 @pytest.mark.parametrize("route", ["reference", "auto", "grouped"])

@@ -51,8 +51,8 @@ def selection_case(*, seed=0, D=32, H=4, block_size=8, integer=True, dtype=torch
     return tuple(t.to(device) for t in (q, kc, bt, req, pos, seq))
 
 
-def _select_torch(*args, k):
-    return select_tokens(*args, k=k, backend="torch")
+def _select_torch(*args, k, block_size=8):
+    return select_tokens(*args, block_size=block_size, k=k, backend="torch")
 
 
 @pytest.mark.parametrize("k", [1, 3, 8, 40])
@@ -84,7 +84,7 @@ def test_select_tokens_torch_ties_nan_and_signed_zero():
 def test_select_tokens_torch_matches_kernel(device):
     args = selection_case(seed=3, D=32, integer=True, device=device)
 
-    assert torch.equal(_select_torch(*args, k=5).cpu(), select_tokens(*args, k=5).cpu())
+    assert torch.equal(_select_torch(*args, k=5).cpu(), select_tokens(*args, block_size=8, k=5).cpu())
 
 
 def _select_ties_high(q, kc, bt, req, pos, seq, k):
@@ -112,11 +112,11 @@ def test_wrong_selection_is_rejected():
     assert torch.equal(_select_ties_high(*tie_free, k=3), _select_torch(*tie_free, k=3))
 
 
-def _feed(fn, raw, req_ids, positions, kc, bt, partial, chunks, transform):
+def _feed(fn, raw, req_ids, positions, kc, bt, partial, chunks, transform, block_size):
     start = 0
     for n in chunks:
         sl = slice(start, start + n)
-        fn(raw[sl], req_ids[sl], positions[sl], kc, bt, partial, transform=transform)
+        fn(raw[sl], req_ids[sl], positions[sl], kc, bt, partial, block_size=block_size, transform=transform)
         start += n
 
 
@@ -127,7 +127,7 @@ def test_update_compressed_keys_torch_matches_kernel_and_reference(device, with_
     D, block_size, L = 32, 8, 27
     g = _gen(4)
     raw = torch.randn(L, D, generator=g)
-    transform = index_key_transform(torch.randn(D, generator=g) * 0.1, 1e-6, 16, 10000.0) \
+    transform = index_key_transform((torch.randn(D, generator=g) * 0.1).to(device), 1e-6, 16, 10000.0) \
         if with_transform else None
     bt = torch.tensor([[5, 2, 7, 0]], dtype=torch.int32)
     req_ids = torch.zeros(L, dtype=torch.int32)
@@ -138,7 +138,7 @@ def test_update_compressed_keys_torch_matches_kernel_and_reference(device, with_
         kc = torch.full((8, block_size // 4, D), NAN, device=dev)
         partial = torch.full((1, 3, D), NAN, device=dev)
         _feed(fn, raw.to(dev), req_ids.to(dev), positions.to(dev), kc, bt.to(dev), partial,
-              [5, 3, 7, 1, 1, 10], transform)
+              [5, 3, 7, 1, 1, 10], transform, block_size)
         results.append((kc.cpu(), partial.cpu()))
     (kc_t, part_t), (kc_k, part_k) = results
     assert torch.equal(kc_t.nan_to_num(123.0), kc_k.nan_to_num(123.0))
@@ -193,14 +193,14 @@ def test_attention_op_matches_public_op():
     assert torch.equal(got_only, want)
 
 
-def test_attention_op_passes_the_batch_hints(monkeypatch):
+def test_attention_op_passes_the_batch_hints(device, monkeypatch):
     """``max_query_len`` and ``rows_sorted`` reach the route choice through the custom op (the layer
     under ``torch.compile`` gets the direct xqa kernel as it does eagerly), and the result is the
     public op's, bit for bit."""
     import qsa
     from test_xqa_direct import ascending_rows
 
-    c = _attention_case("cpu")
+    c = _attention_case(device)
     c.indices = ascending_rows(c.indices)
     seen = []
     choose = routes.choose
@@ -226,7 +226,7 @@ def test_opcheck_attention():
 
 def test_opcheck_select_and_cache_ops():
     q, kc, bt, req, pos, seq = selection_case(seed=6, D=16)
-    torch.library.opcheck(torch.ops.qsa.select_tokens.default, (q, kc, bt, req, pos, seq, 4, "torch"))
+    torch.library.opcheck(torch.ops.qsa.select_tokens.default, (q, kc, bt, req, pos, seq, 4, "torch", 8))
     g = _gen(7)
     kv = torch.zeros(6, 2, 8, 2, 16, dtype=torch.bfloat16)
     k = torch.randn(5, 2, 16, generator=g).to(torch.bfloat16)
@@ -239,7 +239,11 @@ def test_opcheck_select_and_cache_ops():
     torch.library.opcheck(torch.ops.qsa.update_compressed_keys.default,
                           (raw, torch.zeros(6, dtype=torch.int32), torch.arange(6), kcache,
                            torch.tensor([[1, 4], [2, 3]], dtype=torch.int32), partial, w, 1e-6, 8, 10000.0,
-                           "torch"))
+                           "torch", 8, None, None))
+    torch.library.opcheck(torch.ops.qsa.update_compressed_keys.default,
+                          (raw, torch.zeros(6, dtype=torch.int32), torch.arange(6), kcache,
+                           torch.tensor([[1, 4], [2, 3]], dtype=torch.int32), partial, w, 1e-6, 8, 10000.0,
+                           "torch", 8, torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)))
 
 
 def test_write_kv_op_mutates_only_given_slots():
@@ -266,7 +270,7 @@ def test_fake_shapes():
         assert out.shape == (7, 4, 16) and out.dtype == torch.bfloat16
         assert lse.shape == (7, 4) and lse.dtype == torch.float32
         sel = torch.ops.qsa.select_tokens(torch.empty(7, 4, 32), torch.empty(5, 2, 32), bt, t2r, pos, seq, 6,
-                                          "triton")
+                                          "triton", 8)
         assert sel.shape == (7, 27) and sel.dtype == torch.int32
 
 
@@ -289,10 +293,10 @@ def test_degenerate_selection_and_key_feeding_shapes(device):
     q, kc, bt, req, pos, seq = selection_case(D=D, device=device)
     no_req = (bt[:0], seq[:0])
     for backend in ("torch", "triton"):
-        got = select_tokens(q, kc, no_req[0], req, pos, no_req[1], k=2, backend=backend)
+        got = select_tokens(q, kc, no_req[0], req, pos, no_req[1], block_size=8, k=2, backend=backend)
         assert bool((got == -1).all()), backend
         want = iref.select_tokens_reference(q, kc[:0], bt, req, pos, seq, k=2)
-        got = select_tokens(q, kc[:0], bt, req, pos, seq, k=2, backend=backend)
+        got = select_tokens(q, kc[:0], bt, req, pos, seq, block_size=8, k=2, backend=backend)
         assert torch.equal(got.cpu(), want.cpu()), backend
         assert bool((got >= 0).any()), backend  # the causal tails remain
     got = tokens_from_scores(torch.zeros(req.shape[0], 4, device=device), req, pos, no_req[1], k=1)
@@ -304,15 +308,15 @@ def test_degenerate_selection_and_key_feeding_shapes(device):
     for backend in ("torch", "triton"):
         kc_b = torch.full_like(kc, NAN)
         part0 = torch.zeros(0, 3, D, device=device)
-        update_compressed_keys(raw, r4, p4, kc_b, no_req[0], part0, backend=backend)  # padding rows only
+        update_compressed_keys(raw, r4, p4, kc_b, no_req[0], part0, block_size=8, backend=backend)  # padding rows only
         assert bool(kc_b.isnan().all()), backend
         part1 = torch.full((1, 3, D), NAN, device=device)
-        update_compressed_keys(raw, r4, p4, kc_b, bt[:1, :0], part1, backend=backend)
+        update_compressed_keys(raw, r4, p4, kc_b, bt[:1, :0], part1, block_size=8, backend=backend)
         assert bool(kc_b.isnan().all()), backend  # no table column: no page to write
         states.append(part1.cpu())
     assert torch.equal(states[0].nan_to_num(7.0), states[1].nan_to_num(7.0))
-    with pytest.raises(ValueError, match="kc_cache must have block_size // 4 >= 1"):
-        update_compressed_keys(raw, r4, p4, kc[:, :0], bt, torch.zeros(3, 3, D, device=device))
+    with pytest.raises(ValueError, match=r"kc_cache must have block_size // 4 = 2 rows per block \(block_size=8\)"):
+        update_compressed_keys(raw, r4, p4, kc[:, :0], bt, torch.zeros(3, 3, D, device=device), block_size=8)
 
 
 def test_op_wrappers_check_scalars_as_the_library_does():
@@ -320,9 +324,9 @@ def test_op_wrappers_check_scalars_as_the_library_does():
     truncation of k, no bool or string scales."""
     q, kc, bt, req, pos, seq = selection_case(D=16)
     with pytest.raises(TypeError, match="k must be an int"):
-        ops.select_tokens(q, kc, bt, req, pos, seq, k=2.9)
+        ops.select_tokens(q, kc, bt, req, pos, seq, block_size=8, k=2.9)
     with pytest.raises(TypeError, match="k must be an int"):
-        ops.select_tokens(q, kc, bt, req, pos, seq, k=True)
+        ops.select_tokens(q, kc, bt, req, pos, seq, block_size=8, k=True)
     cache = allocate_kv_cache(4, 4, 1, 16, dtype=torch.float16, fill="zeros", kv_cache_dtype="fp8_e4m3")
     k = torch.randn(2, 1, 16, dtype=torch.float16)
     for bad, err in ((True, TypeError), ("2", TypeError), (NAN, ValueError)):

@@ -13,6 +13,7 @@ from .reference import reference_attention, sdpa_attention
 from .serving import Engine, GenerationResult, ServingConfig, run_layer
 from .tp import TPInfo, shard_heads
 
+# The one place the version is written: pyproject.toml reads it ([tool.setuptools.dynamic]), as a literal.
 __version__ = "0.1.0"
 
 __all__ = [

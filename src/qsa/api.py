@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -13,6 +13,78 @@ from .utils import as_finite_float, check_bool, check_int, check_tensor, overlap
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 ACT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _version(t):
+    """``t``'s version counter (bumped by every in-place torch op on it or on a view of its storage), or
+    None for tensors that have none (created under ``torch.inference_mode()``) or are not tensors."""
+    try:
+        return None if t.is_inference() else t._version
+    except (AttributeError, RuntimeError):  # not a tensor, or a tensor subclass without a version counter
+        return None
+
+
+@dataclass
+class PlanInputs:
+    """The planner's inputs a plan was built from, with their version counters at planning time.
+
+    Iterates (and indexes) as the tuple ``(indices, block_table, token_to_req, positions, seq_lens)``.
+    :func:`run_attention` compares the version counters (a few attribute reads) and refuses a plan whose
+    inputs were changed in place since: its work lists would no longer describe them. Views of one tensor
+    share its counter, so an in-place change through any view of an input counts. Tensors without a
+    version counter (made under ``torch.inference_mode()``) are not checked; writes that bypass torch's
+    in-place ops (a Triton kernel, CUDA-graph replay) are not seen.
+    """
+
+    indices: torch.Tensor
+    block_table: torch.Tensor
+    token_to_req: torch.Tensor
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    versions: tuple = field(init=False, repr=False, compare=False)
+
+    NAMES = ("indices", "block_table", "token_to_req", "positions", "seq_lens")
+
+    def __post_init__(self):
+        tensors = (self.indices, self.block_table, self.token_to_req, self.positions, self.seq_lens)
+        self.versions = versions = (_version(tensors[0]), _version(tensors[1]), _version(tensors[2]),
+                                    _version(tensors[3]), _version(tensors[4]))
+        self._tracked = [(name, t, v) for name, t, v in zip(self.NAMES, tensors, versions) if v is not None]
+
+    def as_tuple(self) -> tuple:
+        return (self.indices, self.block_table, self.token_to_req, self.positions, self.seq_lens)
+
+    def __iter__(self):
+        return iter(self.as_tuple())
+
+    def __len__(self) -> int:
+        return 5
+
+    def __getitem__(self, i):
+        return self.as_tuple()[i]
+
+    def check_unchanged(self) -> None:
+        """Raise a ValueError naming the first input changed in place since planning."""
+        for name, t, v in self._tracked:
+            if t._version != v:
+                raise ValueError(
+                    f"the plan's {name} was modified in place after plan_attention built the plan (version "
+                    f"{v} -> {t._version}): its work lists no longer match; plan again with "
+                    f"qsa.plan_attention(..., out=plan) before run_attention")
+
+
+def check_forward_only(q, gate=None, k_cache=None, v_cache=None) -> None:
+    """qsa has no backward: refuse tensors that require grad while grad mode is on (the output would be
+    silently detached)."""
+    if not (q.requires_grad or (gate is not None and gate.requires_grad)
+            or (k_cache is not None and k_cache.requires_grad) or (v_cache is not None and v_cache.requires_grad)):
+        return
+    for name, t in (("q", q), ("gate", gate), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t is not None and t.requires_grad and torch.is_grad_enabled():
+            raise ValueError(
+                f"{name} requires grad, but qsa attention is forward-only (it has no backward, its output "
+                f"would be detached from the graph): call it under torch.no_grad() or "
+                f"torch.inference_mode(), or pass detached tensors ({name}.detach())")
 
 
 @dataclass
@@ -30,7 +102,9 @@ class AttentionPlan:
         grouped: grouped page4 plan of rows ``[0, routes.grouped_rows)``, else None.
         tokens: ``[rows, W]`` int32 distinct kept tokens per row (splitk route), else None.
         token_counts: ``[rows]`` int32 (splitk route), else None.
-        inputs: the planner's inputs (indices, block_table, token_to_req, positions, seq_lens).
+        inputs: the planner's inputs (:class:`PlanInputs`: indices, block_table, token_to_req, positions,
+            seq_lens, iterable as that tuple) with their version counters at planning time; a tuple
+            given here becomes a :class:`PlanInputs`.
         block_size, num_blocks: the KV cache geometry the plan was made for.
         num_q_heads, num_kv_heads, head_dim: the attention shape the route was chosen for.
     """
@@ -40,16 +114,20 @@ class AttentionPlan:
     grouped: GroupedPlan | None
     tokens: torch.Tensor | None
     token_counts: torch.Tensor | None
-    inputs: tuple
+    inputs: PlanInputs
     block_size: int
     num_blocks: int
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
 
+    def __post_init__(self):
+        if not isinstance(self.inputs, PlanInputs):
+            self.inputs = PlanInputs(*self.inputs)
+
     @property
     def num_rows(self) -> int:
-        return self.inputs[0].shape[0]
+        return self.inputs.indices.shape[0]
 
 
 def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int,
@@ -84,7 +162,10 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
             not sorted after all costs an in-kernel sort.
 
     The plan keeps references to ``indices`` .. ``seq_lens`` and work lists derived from them: after any of
-    them changes, plan again (``out=`` the plan) before :func:`run_attention`.
+    them changes, plan again (``out=`` the plan) before :func:`run_attention`. The plan records their
+    version counters, and :func:`run_attention` refuses (ValueError) a plan whose inputs were modified in
+    place by torch ops since (not checked: tensors made under ``torch.inference_mode()``, which have no
+    version counter, and writes outside torch, such as CUDA-graph replay).
     """
     if order not in ("logical", "physical"):
         raise ValueError(f"order must be 'logical' or 'physical', got {order!r}")
@@ -119,8 +200,8 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
                                      out=(out.tokens, out.token_counts) if out is not None and out.tokens is not None
                                      else None)
     plan = AttentionPlan(choice, single, grouped, tokens, counts,
-                         (indices, block_table, token_to_req, positions, seq_lens), block_size, num_blocks,
-                         num_q_heads, num_kv_heads, head_dim)
+                         PlanInputs(indices, block_table, token_to_req, positions, seq_lens), block_size,
+                         num_blocks, num_q_heads, num_kv_heads, head_dim)
     if out is None:
         return plan
     for f in fields(AttentionPlan):  # a caller holding ``out`` runs what was just planned
@@ -168,16 +249,24 @@ def _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype):
 
 def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cache_dtype: str = "auto",
                   k_scale=1.0, v_scale=1.0, softmax_scale=None, out=None, return_lse: bool = False):
-    """Launch the planned routes. Arguments as in :func:`sparse_paged_attention`."""
+    """Launch the planned routes. Arguments as in :func:`sparse_paged_attention`.
+
+    Forward-only, like :func:`sparse_paged_attention`. The plan must describe its inputs as they are now:
+    an input of the plan (indices, block_table, token_to_req, positions, seq_lens) modified in place by a
+    torch op since :func:`plan_attention` raises a ValueError naming it (plan again, ``out=plan``).
+    """
     if not isinstance(plan, AttentionPlan):
         raise TypeError(f"plan must be an AttentionPlan (from qsa.plan_attention), got {type(plan).__name__}")
     num_blocks, block_size, hkv = _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype)
+    check_forward_only(q, gate, k_cache, v_cache)
     rows, hq, d = q.shape
     if rows != plan.num_rows or block_size != plan.block_size or num_blocks != plan.num_blocks \
             or (hq, hkv, d) != (plan.num_q_heads, plan.num_kv_heads, plan.head_dim):
         raise ValueError("the plan was made for other shapes: rows, cache geometry and heads must match")
-    if not same_device(plan.inputs[0].device, q.device):
-        raise ValueError(f"the plan was made on {plan.inputs[0].device}, q is on {q.device}")
+    inputs = plan.inputs
+    if not same_device(inputs.indices.device, q.device):
+        raise ValueError(f"the plan was made on {inputs.indices.device}, q is on {q.device}")
+    inputs.check_unchanged()
     k_scale = as_finite_float("k_scale", k_scale)
     v_scale = as_finite_float("v_scale", v_scale)
     if kv_cache_dtype == "fp8_e4m3":  # written as x / scale (SPEC section 3): a scale must be > 0
@@ -203,7 +292,7 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
     if choice.route == "reference":
         from .reference import reference_attention
 
-        attn, ref_lse = reference_attention(q, k_cache, v_cache, *plan.inputs, kv_cache_dtype=kv_cache_dtype,
+        attn, ref_lse = reference_attention(q, k_cache, v_cache, *inputs.as_tuple(), kv_cache_dtype=kv_cache_dtype,
                                             k_scale=k_scale, v_scale=v_scale, softmax_scale=scale,
                                             compute_dtype=torch.float32)
         attn = attn.to(q.dtype)
@@ -213,18 +302,18 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
         if lse is not None:
             lse.copy_(ref_lse.float())
     elif choice.route == "invariant":
-        attention.invariant_attention(q, k_cache, v_cache, *plan.inputs, **kw)
+        attention.invariant_attention(q, k_cache, v_cache, *inputs.as_tuple(), **kw)
     elif choice.route == "splitk":
-        attention.splitk_attention(q, k_cache, v_cache, plan.tokens, plan.token_counts, plan.inputs[1],
-                                   plan.inputs[2], block_size=block_size, **kw)
+        attention.splitk_attention(q, k_cache, v_cache, plan.tokens, plan.token_counts, inputs.block_table,
+                                   inputs.token_to_req, block_size=block_size, **kw)
     else:
         if plan.grouped is not None:
             attention.grouped_attention(q, k_cache, v_cache, plan.grouped, **kw)
         if choice.direct:
-            attention.xqa_direct_attention(q, k_cache, v_cache, *plan.inputs, row_start=choice.grouped_rows, **kw)
+            attention.xqa_direct_attention(q, k_cache, v_cache, *inputs.as_tuple(), row_start=choice.grouped_rows, **kw)
         elif plan.single is not None:
             attention.xqa_attention(q, k_cache, v_cache, plan.single, row_start=choice.grouped_rows,
-                                    index_width=plan.inputs[0].shape[1], **kw)
+                                    index_width=inputs.indices.shape[1], **kw)
     return (out, lse) if return_lse else out
 
 
@@ -276,10 +365,15 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
     Returns:
         ``out`` (q's dtype), or ``(out, lse)`` with ``return_lse``.
 
+    Forward-only: there is no backward. With grad mode on, a ``q``, ``gate``, ``k_cache`` or ``v_cache``
+    that requires grad raises a ValueError (the output would be silently detached); call it under
+    ``torch.no_grad()`` or ``torch.inference_mode()``, or pass detached tensors.
+
     Example:
         >>> out = qsa.sparse_paged_attention(q, kv[:, 0], kv[:, 1], idx, table, req, pos, lens)
     """
     num_blocks, block_size, hkv = _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype)
+    check_forward_only(q, gate, k_cache, v_cache)
     check_tensor("indices", indices, ndim=2, dtypes=torch.int32, what="[rows, W] int32")
     if indices.shape[0] != q.shape[0]:
         raise ValueError(f"indices must have {q.shape[0]} rows (q's rows), got {indices.shape[0]}")

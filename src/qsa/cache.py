@@ -174,7 +174,7 @@ class PagedKVCache:
 
 def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *,
                       dtype: torch.dtype = torch.float16, kv_cache_dtype: str = "auto",
-                      layout: str = "interleaved", device="cpu", fill=None, k_scale: float = 1.0,
+                      layout: str = "interleaved", device=None, fill=None, k_scale: float = 1.0,
                       v_scale: float = 1.0) -> PagedKVCache:
     """Allocate a paged KV cache.
 
@@ -183,6 +183,8 @@ def allocate_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_
         dtype: activation dtype (fp16, bf16 or fp32) of an ``"auto"`` cache; ignored for FP8.
         kv_cache_dtype: ``"auto"`` or ``"fp8_e4m3"`` (stored as ``torch.uint8``).
         layout: ``"interleaved"`` (``storage[num_blocks, 2, block_size, Hkv, D]``) or ``"separate"``.
+        device: where the cache lives; None (the default) means torch's current default device
+            (``torch.get_default_device()``), as for torch's own factory functions.
         fill: None leaves ``torch.empty`` memory; ``"nan"`` fills every slot with NaN (the E4M3 NaN
             byte 0x7F for FP8) so tests can prove unused slots are never read; ``"zeros"`` zeroes.
         k_scale, v_scale: fp32 scales of FP8 caches.
@@ -466,8 +468,9 @@ class BlockAllocator:
         self._tokens[dst_req] = min(num_blocks * self.block_size, self._tokens[src_req])
         return list(shared)
 
-    def slot_mapping(self, req_id, start: int, end: int, device="cpu") -> torch.Tensor:
-        """int64 ``[end - start]`` slots of tokens ``start..end-1`` of ``req_id``."""
+    def slot_mapping(self, req_id, start: int, end: int, device=None) -> torch.Tensor:
+        """int64 ``[end - start]`` slots of tokens ``start..end-1`` of ``req_id``, on ``device`` (None: torch's
+        current default device, ``torch.get_default_device()``)."""
         blocks = self._get(req_id)
         if not 0 <= start <= end <= len(blocks) * self.block_size:
             raise ValueError(f"token range [{start}, {end}) outside the {len(blocks) * self.block_size} "
@@ -476,20 +479,21 @@ class BlockAllocator:
         slots = [blocks[t // bs] * bs + t % bs for t in range(start, end)]
         return torch.tensor(slots, dtype=torch.int64, device=device)
 
-    def block_table(self, req_ids, max_blocks: int | None = None, device="cpu") -> torch.Tensor:
+    def block_table(self, req_ids, max_blocks: int | None = None, device=None) -> torch.Tensor:
         """int32 ``[len(req_ids), max_blocks]`` table, padded with -1 (default width: the longest;
-        0 columns when no request holds a block)."""
+        0 columns when no request holds a block), on ``device`` (None: torch's current default device,
+        ``torch.get_default_device()``)."""
         rows = [self._get(r) for r in req_ids]
         if max_blocks is None:
             width = max((len(b) for b in rows), default=0)
         else:
             width = check_int("max_blocks", max_blocks, 0)
-        table = torch.full((len(rows), width), -1, dtype=torch.int32)
+        table = torch.full((len(rows), width), -1, dtype=torch.int32, device="cpu")  # filled on the host
         for i, (req, b) in enumerate(zip(req_ids, rows)):
             if len(b) > width:
                 raise ValueError(f"request {req!r} holds {len(b)} blocks, more than max_blocks={width}")
-            table[i, :len(b)] = torch.tensor(b, dtype=torch.int32)
-        return table.to(device)
+            table[i, :len(b)] = torch.tensor(b, dtype=torch.int32, device="cpu")
+        return table.to(torch.get_default_device() if device is None else device)
 
     def _get(self, req_id) -> list[int]:
         if req_id not in self._blocks:

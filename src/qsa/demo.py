@@ -2,12 +2,17 @@
 
 On the GPU (the default device when there is one) the layers have the reference shape (hidden 2560,
 24/2 heads of 256, index 4 x 128, top-512 blocks), prompts are long enough that the selection is
-sparse, and decode steps replay a CUDA graph. On the CPU the sizes are small and ``route="auto"``
-resolves to the pure-PyTorch reference route unless the Triton interpreter is on.
+sparse, and decode steps replay a CUDA graph. On the CPU the demo reruns itself with the Triton
+interpreter on (``TRITON_INTERPRET=1``; not for ``--route reference``), so the same Triton kernels run
+(attention, selection and cache writes), at small sizes (``CPU_DEFAULTS``: about 50 s on two cores):
+two requests of 100 and 152 tokens (sparse: each row keeps 16 blocks of 4 tokens and a tail), prefill
+chunks of 128 rows (the grouped route, its leftover rows on xqa), decode steps on xqa. The demo prints
+the routes that ran, counted from each step's record (:meth:`qsa.serving.GenerationResult.route_steps`).
 
 ``--plan-order physical`` adds a demonstration: the same two placements with grouped plans sorted by
 physical microblock id instead of logical order, which lets the page placement into the kernel's
-accumulation order. On the CPU this runs the Triton kernels under the interpreter with tiny sizes.
+accumulation order. On the CPU it takes smaller sizes still, with the selection and cache writes in
+PyTorch.
 
 Exit status: 0 when the logical-order logits are bitwise equal across placements, 1 when they differ or
 when the two runs came out on the same physical blocks (then the comparison shows nothing).
@@ -26,10 +31,10 @@ from dataclasses import dataclass
 import torch
 
 from .indexer import MAX_K
-from .routes import ROUTES
+from .routes import BACKENDS, ROUTES
 from .utils import SEED_MAX, SEED_MIN, cli_device, int_at_least, int_in_range
 
-CPU_DEFAULTS = dict(layers=2, requests=3, prompt_len=150, new_tokens=8, chunk=128, block_size=16, topk=16,
+CPU_DEFAULTS = dict(layers=2, requests=2, prompt_len=100, new_tokens=8, chunk=128, block_size=16, topk=16,
                     dtype="bf16")
 CPU_PHYSICAL_DEFAULTS = dict(layers=1, requests=2, prompt_len=96, new_tokens=3, chunk=64, block_size=16,
                              topk=16, dtype="fp16")
@@ -135,21 +140,67 @@ def _table(runs: list[RunResult]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+ROUTE_ORDER = ("grouped", "xqa", "splitk", "invariant", "reference")
+
+
+def routes_run(result) -> str:
+    """What a :class:`~qsa.serving.GenerationResult`'s steps ran, e.g. ``grouped 4 prefill steps, xqa 2
+    prefill steps + 3 decode steps``: for each attention route, the steps in which its kernel ran (from the
+    steps' records; a step split between grouped and xqa rows counts for both)."""
+    tally = result.route_steps()
+    parts = []
+    for route in sorted(tally, key=lambda r: (ROUTE_ORDER.index(r) if r in ROUTE_ORDER else len(ROUTE_ORDER), r)):
+        counts = [f"{n} {kind} step{'s' * (n != 1)}" for kind, n in tally[route].items() if n]
+        parts.append(f"{route} {' + '.join(counts)}")
+    return ", ".join(parts) or "none"
+
+
+def stages_run(result) -> str:
+    """How the selection and cache writes ran in a result's steps."""
+    names = {"triton": "Triton kernels", "torch": "PyTorch implementations"}
+    return " and ".join(names.get(b, b) for b in sorted(result.backends())) or "none"
+
+
+def _routes_report(runs: list[RunResult]) -> str:
+    """The routes and stages that ran, for each run (once when the runs agree)."""
+    seen = {(routes_run(r.result), stages_run(r.result)) for r in runs}
+    labels = " and ".join(r.label for r in runs)
+    if len(seen) == 1:
+        (attn, stages), = seen
+        return f"routes run (each of runs {labels}): {attn}; selection and cache writes: {stages}"
+    return "\n".join(f"routes run (run {r.label}): {routes_run(r.result)}; selection and cache writes: "
+                     f"{stages_run(r.result)}" for r in runs)
+
+
+def _defaults(name: str) -> str:
+    return (f" (default {CPU_DEFAULTS[name]} on the CPU, {CPU_PHYSICAL_DEFAULTS[name]} in the CPU physical-order "
+            f"demonstration, {GPU_DEFAULTS[name]} on the GPU)")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``qsa demo``."""
     p = argparse.ArgumentParser(prog="qsa demo", description=__doc__.split("\n")[0])
     p.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda")
     p.add_argument("--route", default="auto", choices=ROUTES,
-                   help="attention route: auto, grouped, xqa, splitk, invariant, reference")
+                   help="attention route: auto, grouped, xqa, splitk, invariant, reference (on the CPU every route "
+                   "but reference runs the Triton kernels under the interpreter)")
     p.add_argument("--plan-order", default="logical", choices=("logical", "physical"),
                    help="physical: also run a physical-order plan to show why the order is logical")
-    p.add_argument("--layers", type=int_at_least(1))
-    p.add_argument("--requests", type=int_at_least(1))
-    p.add_argument("--prompt-len", type=int_at_least(1), help="length of the first prompt (the others are longer)")
-    p.add_argument("--new-tokens", type=int_at_least(1))
-    p.add_argument("--chunk", type=int_at_least(1), help="prefill tokens per step")
-    p.add_argument("--block-size", type=int_at_least(4), help="tokens per KV block, a multiple of 4")
-    p.add_argument("--topk", type=int_in_range(1, MAX_K), help="blocks of 4 tokens each row selects")
+    p.add_argument("--layers", type=int_at_least(1), help="QSA layers of the tiny model" + _defaults("layers"))
+    p.add_argument("--requests", type=int_at_least(1), help="requests served together" + _defaults("requests"))
+    p.add_argument("--prompt-len", type=int_at_least(1),
+                   help="length of the first prompt; the others are longer" + _defaults("prompt_len"))
+    p.add_argument("--new-tokens", type=int_at_least(1), help="tokens generated per request, the first by the "
+                   "prefill and the others by decode steps" + _defaults("new_tokens"))
+    p.add_argument("--chunk", type=int_at_least(1), help="prefill tokens per step; from 64 rows a step takes the "
+                   "grouped route" + _defaults("chunk"))
+    p.add_argument("--backend", choices=BACKENDS, help="selection and cache writes: triton (the kernels) or torch "
+                   "(their PyTorch implementations); default triton wherever the attention runs Triton kernels, "
+                   "torch in the CPU physical-order demonstration")
+    p.add_argument("--block-size", type=int_at_least(4), help="tokens per KV block, a multiple of 4"
+                   + _defaults("block_size"))
+    p.add_argument("--topk", type=int_in_range(1, MAX_K), help="blocks of 4 tokens each row selects"
+                   + _defaults("topk"))
     p.add_argument("--dtype", choices=tuple(DTYPES), help="activations and caches (default bf16; fp16 for the "
                    "CPU physical-order demonstration, whose 10-bit mantissa shows rounding flips more often)")
     p.add_argument("--seed", type=int_in_range(SEED_MIN, SEED_MAX), default=0, help="weights and prompts")
@@ -158,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-cuda-graph", action="store_true", help="decode eagerly on the GPU")
     p.add_argument("--no-warmup", action="store_true",
                    help="skip the untimed first pass that compiles the kernels (skipped under the interpreter)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = parser()
     args = p.parse_args(argv)
     if args.block_size is not None and args.block_size % 4:
         p.error(f"--block-size must be a multiple of 4, got {args.block_size}")
@@ -166,10 +223,14 @@ def main(argv: list[str] | None = None) -> int:
                 "shuffle the blocks alike (random.Random seeds with |seed|), and the demo compares two page "
                 "placements")
 
+    if args.route == "reference" and args.backend == "triton":
+        p.error("--backend triton: the reference route runs no Triton kernel (its selection and cache writes "
+                "are the PyTorch implementations)")
+
     device = cli_device(p, args.device)
     physical_cpu = args.plan_order == "physical" and device.type == "cpu"
-    # On the CPU the Triton routes run under the interpreter (auto resolves to the reference route there).
-    if device.type == "cpu" and args.route != "reference" and (physical_cpu or args.route != "auto"):
+    # On the CPU the Triton kernels run under the interpreter, turned on here (a rerun of this command).
+    if device.type == "cpu" and args.route != "reference":
         status = use_interpreter("qsa.demo", argv)
         if status is not None:
             return status
@@ -183,10 +244,16 @@ def _demo(args, device: torch.device, physical_cpu: bool) -> int:
         if getattr(args, name) is None:
             setattr(args, name, val)
 
-    from . import routes
     from .model import TinyConfig, TinyQSAModel
+    from .routes import triton_available
     from .serving import Engine, ServingConfig
     from .utils import interpreter_enabled
+
+    no_triton = triton_available(device)
+    if no_triton is not None and (args.route not in ("auto", "reference") or args.backend == "triton"):
+        what = f"--route {args.route}" if args.route != "auto" else "--backend triton"
+        print(f"qsa demo: {what} cannot run: {no_triton}", file=sys.stderr)
+        return 2
 
     base = TinyConfig.reference(vocab_size=4096) if device.type == "cuda" else TinyConfig.small()
     cfg = base.with_attn(index_topk=args.topk, dtype=DTYPES[args.dtype])
@@ -200,23 +267,21 @@ def _demo(args, device: torch.device, physical_cpu: bool) -> int:
     num_blocks = sum(-(-(n + args.new_tokens) // args.block_size) for n in lens) + 16
     # The reference route reads values on the host: no graph captures it.
     graph = device.type == "cuda" and not args.no_cuda_graph and args.route != "reference"
-    resolved = routes.choose(args.route, rows=args.chunk, G=a.num_heads // a.num_kv_heads, head_dim=a.head_dim,
-                             device=device).route
+    backend = args.backend if args.backend is not None else "torch" if physical_cpu else None
     print(f"qsa demo: tiny QSA model on {device}: {args.layers} layer{'s' * (args.layers != 1)}, hidden {a.hidden_size}, "
           f"{a.num_heads}/{a.num_kv_heads} heads x {a.head_dim}, index {a.index_heads} x {a.index_head_dim}, "
           f"top-{a.index_topk} blocks, {str(a.dtype).replace('torch.', '')}")
     print(f"{len(prompts)} requests of {', '.join(map(str, lens))} prompt tokens, {args.new_tokens} new tokens "
           f"each; prefill chunks of {args.chunk}, block size {args.block_size}, {num_blocks} blocks; "
-          f"route {args.route} (prefill chunks: {resolved}); decode {'in a CUDA graph' if graph else 'eager'}")
-    if physical_cpu and interpreter_enabled() and resolved != "reference":
-        print("the attention kernels run under the Triton interpreter; selection and cache writes use their "
-              "PyTorch implementations (same contract) to keep this short")
+          f"route {args.route}; decode {'in a CUDA graph' if graph else 'eager'}")
+    if device.type == "cpu" and interpreter_enabled() and args.route != "reference" and no_triton is None:
+        print("the Triton kernels run under the Triton interpreter (slow; hence the small sizes)")
 
     def run(label, seed, order):
         scfg = ServingConfig(num_blocks=num_blocks, block_size=args.block_size, max_reqs=len(prompts),
                              max_blocks_per_req=max_blocks, chunk_size=args.chunk, route=args.route,
                              plan_order=order, cuda_graph=graph, allocator_seed=seed,
-                             backend="torch" if physical_cpu else None)
+                             backend=backend)
         engine = Engine(model, scfg)
         bar = ProgressBar(f"run {label} {order}")
         blocks = []
@@ -236,14 +301,18 @@ def _demo(args, device: torch.device, physical_cpu: bool) -> int:
     if args.plan_order == "physical":
         runs += [run("C", sa, "physical"), run("D", sb, "physical")]
     print(_table(runs))
+    print(_routes_report(runs[:2]))
     ok = _bitwise_equal(runs[0].result.logits, runs[1].result.logits)
     bad = runs[0].result.logits.isnan().any() or runs[1].result.logits.isnan().any()
     print(f"logical order, placements A vs B: {_compare(runs[0], runs[1])}" + ("  (NaN in logits!)" if bad else ""))
     if args.plan_order == "physical":
         c, d = runs[2], runs[3]
         print(f"physical order (demonstration), placements C vs D: {_compare(c, d)}")
-        if resolved != "grouped":
-            print(f"  the physical order only reorders grouped plans; the {resolved} route has none")
+        ran = sorted(set(c.result.route_steps()) | set(d.result.route_steps()))
+        if "grouped" not in ran:
+            names = " and ".join(ran) or "no"
+            print(f"  the physical order only reorders grouped plans; the {names} route{'s' * (len(ran) > 1)} "
+                  f"{'have' if len(ran) > 1 else 'has'} none")
         elif _bitwise_equal(c.result.logits, d.result.logits):
             print("  the physical order happened to give the same bits here: the grouped kernel's tile "
                   "sequence changed but no rounding flipped (try more requests or rows)")

@@ -25,7 +25,8 @@ import triton
 
 from . import routes
 from .indexer_reference import GROUP
-from .kernels.indexer import block_scores_kernel, clear_invalid_pages_kernel, store_compressed_kernel
+from .kernels.indexer import (assemble_groups_kernel, block_scores_kernel, clear_invalid_pages_kernel,
+                              finish_groups_kernel, store_compressed_kernel)
 from .kernels.topk import topk_kernel
 from .utils import (INT32_MAX, check_int, check_tensor, device_facts, dot_in_fp32, interpreter_enabled, next_pow2,
                     overlaps_itself, round_up, type_name)
@@ -101,20 +102,33 @@ def _check_transform(transform) -> None:
         raise TypeError(f"transform must be callable or None, got {type_name(transform)}")
 
 
-def _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, *, triton: bool = True):
+def _check_block_size(block_size, kc_cache) -> int:
+    """``block_size`` (the main KV cache's tokens per block) is a positive multiple of 4 and ``kc_cache``
+    (a checked 3-D tensor) has its ``block_size // 4`` rows per block."""
+    block_size = check_int("block_size", block_size)
+    if block_size <= 0 or block_size % GROUP:
+        raise ValueError(f"block_size (the main KV cache's tokens per block) must be a positive multiple of 4, "
+                         f"got {block_size}")
+    if kc_cache.shape[1] != block_size // GROUP:
+        raise ValueError(f"kc_cache must have block_size // 4 = {block_size // GROUP} rows per block "
+                         f"(block_size={block_size}), got shape {tuple(kc_cache.shape)}")
+    return block_size
+
+
+def _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, *, block_size,
+                 triton: bool = True):
     check_tensor("index_q", index_q, ndim=3, dtypes=_FLOAT_DTYPES, what="[rows, H_idx, D]")
     rows, H, D = index_q.shape
     check_tensor("kc_cache", kc_cache, ndim=3, dtypes=(index_q.dtype,),
                  what="[num_blocks, block_size // 4, D] with index_q's dtype")
     check_tensor("kc_cache", kc_cache, shape=(None, None, D), what="[num_blocks, block_size // 4, D]")
+    _check_block_size(block_size, kc_cache)
     check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), what="[num_reqs, max_blocks]")
     _check_rows(token_to_req, positions, rows)
     _check_seq_lens(seq_lens, token_to_req, block_table.shape[0])
     check_index_dim("index_q head width D", D)
     if H < 1:
         raise ValueError(f"index_q must have at least one head, got shape {tuple(index_q.shape)}")
-    if kc_cache.shape[1] < 1:
-        raise ValueError(f"kc_cache must have block_size // 4 >= 1 rows per block, got {tuple(kc_cache.shape)}")
     _check_same_device("index_q", index_q, kc_cache=kc_cache, block_table=block_table,
                        token_to_req=token_to_req)
     if triton:
@@ -223,7 +237,7 @@ def _row_major(scores):
 
 
 
-def block_scores(index_q, kc_cache, block_table, token_to_req, positions, seq_lens):
+def block_scores(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, *, block_size: int):
     """Block scores of every row over its request's compressed keys.
 
     Args:
@@ -235,13 +249,16 @@ def block_scores(index_q, kc_cache, block_table, token_to_req, positions, seq_le
         token_to_req: ``[rows]`` int32/int64 request of each row.
         positions: ``[rows]`` int64/int32 logical position of each row (-1: padding).
         seq_lens: ``[num_reqs]`` int32/int64.
+        block_size: the main KV cache's tokens per block (a positive multiple of 4); ``kc_cache`` must
+            have ``block_size // 4`` rows per block (ValueError otherwise).
 
     Returns:
         ``[rows, max_blocks * (block_size // 4)]`` fp32: ``sum_h relu(q[r,h] . kc[b]) * D**-0.5`` for
         candidate blocks, ``-inf`` elsewhere (a real score is never -inf: it is >= 0, +inf or NaN).
         Dot products accumulate in fp32 (bf16/fp16 operands on tensor cores).
     """
-    rows, _, _ = _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens)
+    rows, _, _ = _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens,
+                              block_size=block_size)
     n_cols = block_table.shape[1] * kc_cache.shape[1]
     out = torch.empty(rows, n_cols, dtype=torch.float32, device=index_q.device)
     _launch_scores(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, out,
@@ -304,8 +321,8 @@ def tokens_from_scores(scores, token_to_req, positions, seq_lens, *, k: int = 51
     return out
 
 
-def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, *, k: int = 512,
-                  out=None, backend: str | None = None):
+def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, *, block_size: int,
+                  k: int = 512, out=None, backend: str | None = None):
     """The whole selection stage in one call: scores, exact top-k, expansion to tokens.
 
     Args:
@@ -314,6 +331,9 @@ def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_l
         block_table: ``[num_reqs, max_blocks]`` int32 (the main KV cache's table).
         token_to_req: ``[rows]`` int32/int64; positions: ``[rows]`` int64/int32 (-1: padding);
         seq_lens: ``[num_reqs]`` int32/int64.
+        block_size: the main KV cache's tokens per block (a positive multiple of 4); ``kc_cache`` must
+            have ``block_size // 4`` rows per block (ValueError otherwise: the geometry is never inferred
+            from ``kc_cache``).
         k: blocks per row, ``1 <= k <= 2048`` (512 in QSA).
         out: optional ``[rows, 4k + 3]`` int32 output.
         backend: "triton", or "torch" (:func:`_select_tokens_torch`: the same contract in PyTorch,
@@ -328,12 +348,14 @@ def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_l
 
     Example::
 
-        >>> idx = qsa.select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_lens)
+        >>> idx = qsa.select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_lens,
+        ...                         block_size=16)
         >>> out = qsa.sparse_paged_attention(q, k_cache, v_cache, idx, block_table, token_to_req,
         ...                                  positions, seq_lens)
     """
     k = _check_k(k)
-    rows, _, _ = _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, triton=False)
+    rows, _, _ = _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens,
+                              block_size=block_size, triton=False)
     backend = routes.resolve_backend(backend, index_q.device)
     if backend == "triton":
         _check_device(index_q, "index_q")
@@ -417,14 +439,38 @@ def _select_tokens_torch(index_q, kc_cache, block_table, token_to_req, positions
     return out.to(torch.int32)
 
 
-def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table, partial, *,
-                           transform=None, backend: str | None = None) -> None:
+def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table, partial, *, block_size: int,
+                           next_pos=None, refusals=None, transform=None, backend: str | None = None) -> None:
     """Write the compressed key of every 4-token group that completes in this step.
 
-    Tokens of one request must be contiguous in the batch with consecutive ascending positions (the
-    usual chunked-prefill / decode layout); a request's first step starts at a multiple of 4 (any
-    prefix-cache hit is whole blocks). A group straddling steps takes its earlier raw keys from
-    ``partial``, which this call refreshes with the open group of every request it touches.
+    The step's rows may come in any order: requests interleaved, a request's positions in any order. The
+    rows are first sorted by (request, position) on the device (``torch.sort``, no host synchronisation)
+    and everything is done in that order, so any order of the same rows writes the same bits. Of several
+    rows with the same (request, position), the last one in the batch is used and the others are ignored
+    (last wins). Rows with an invalid request or a negative position are padding and ignored.
+
+    The group ``4b .. 4b + 3`` of a request is written when this step holds its closing row (position
+    ``4b + 3``) and each earlier member is available: from this step's row of that position when there is
+    one, else from the request's open group in ``partial``. The last row of each request, when its group
+    stays open, saves that group's members so far into ``partial`` for the next step.
+
+    What ``partial`` holds:
+
+    * with ``next_pos`` (as :class:`CompressedKeyCache` passes it): ``next_pos[req] = e`` says that
+      ``partial[req]`` holds positions ``4 * (e // 4) .. e - 1`` (none when ``e`` is -1). A row whose
+      earlier members ``4 * (p // 4) .. p - 1`` are neither in this step nor held is *refused*: nothing of its
+      group is written (neither the key nor ``partial``), so no key is ever built from stale data. After
+      the step, ``next_pos[req] = P + 1`` for the request's largest position ``P`` of the step, or -1 when
+      ``P``'s group stays open with a member missing. A row at a multiple of 4 needs nothing earlier (a
+      request's first step, a prefix-cache hit of whole groups); a request slot given to a new request
+      starts again from ``next_pos = 0`` (:meth:`CompressedKeyCache.reset`).
+    * without ``next_pos``: ``partial`` is trusted to hold every earlier member that is not in this step
+      (the caller feeds each request's positions in order, starting at a multiple of 4).
+
+    Refused rows, with ``backend="torch"`` or tensors on the CPU: a ValueError naming the request and the
+    position, raised at once, before anything is written. With the Triton kernels on a GPU (no host
+    synchronisation): the refused rows' groups are skipped and, when ``refusals`` is given, counted there;
+    :meth:`CompressedKeyCache.check` turns the count into that ValueError.
 
     Args:
         raw_k: ``[T, D]`` raw index keys of this step's tokens (any float dtype).
@@ -435,117 +481,232 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
         block_table: ``[num_reqs, max_blocks]`` int32.
         partial: ``[num_reqs, 3, D]`` fp32, contiguous; slot ``j`` holds the raw key at position
             ``4 * (p // 4) + j`` of the request's open group. Updated in place.
+        block_size: the main KV cache's tokens per block (a positive multiple of 4); ``kc_cache`` must
+            have ``block_size // 4`` rows per block.
+        next_pos: optional ``[num_reqs]`` int64, contiguous: each request's next expected position (see
+            above; start at 0). Updated in place.
+        refusals: optional ``[3]`` int64, contiguous: the number of refused rows, then the request and
+            position of the first refusal recorded (the lowest (request, position) of its step). Updated in
+            place by the GPU kernel path.
         transform: optional ``f(kc [T, D] fp32, block_idx [T] int64) -> [T, D]`` applied to the fp32
             means before the cast (RMSNorm, RoPE at position ``4 * block_idx``). It sees one row per
-            token; only rows of tokens closing a group (``p % 4 == 3``) are stored, so it must be
-            row-wise and tolerate arbitrary values in the other rows.
-        backend: "triton" (the store kernel), or "torch" (the same stores in PyTorch, with a host
+            token, in (request, position) order; only rows of tokens closing a group (``p % 4 == 3``) are
+            stored, so it must be row-wise and tolerate arbitrary values in the other rows.
+        backend: "triton" (the kernels), or "torch" (the same stores in PyTorch, with a host
             synchronisation); default: Triton wherever it can run.
 
-    ``kc[b] = (((k[4b] + k[4b+1]) + k[4b+2]) + k[4b+3]) * 0.25`` in fp32, the same for any chunking.
-    Runs on the device with no host synchronisation.
+    ``kc[b] = (((k[4b] + k[4b+1]) + k[4b+2]) + k[4b+3]) * 0.25`` in fp32, the same for any chunking and
+    any order of the rows. The Triton path runs on the device with no host synchronisation (on the CPU
+    interpreter it checks for refusals on the host).
     """
     check_tensor("raw_k", raw_k, ndim=2, dtypes=_FLOAT_DTYPES, what="[T, D]")
     T, D = raw_k.shape
     _check_rows(token_to_req, positions, T)
     check_tensor("kc_cache", kc_cache, shape=(None, None, D), dtypes=_FLOAT_DTYPES,
                  what="[num_blocks, block_size // 4, D]")
+    _check_block_size(block_size, kc_cache)
     check_tensor("block_table", block_table, ndim=2, dtypes=(torch.int32,), what="[num_reqs, max_blocks]")
     num_reqs = block_table.shape[0]
     check_tensor("partial", partial, shape=(num_reqs, GROUP - 1, D), dtypes=(torch.float32,),
                  what="[num_reqs, 3, D]")
     if not partial.is_contiguous():
         raise ValueError("partial must be contiguous")
+    for name, t, shape, what in (("next_pos", next_pos, (num_reqs,), "[num_reqs] int64"),
+                                 ("refusals", refusals, (3,), "[3] int64 (count, request, position)")):
+        if t is not None:
+            check_tensor(name, t, shape=shape, dtypes=(torch.int64,), what=what)
+            if not t.is_contiguous():
+                raise ValueError(f"{name} must be contiguous")
     _check_transform(transform)
-    if kc_cache.shape[1] < 1:
-        raise ValueError(f"kc_cache must have block_size // 4 >= 1 rows per block, got {tuple(kc_cache.shape)}")
     if kc_cache.stride(2) != 1:
         raise ValueError("kc_cache must have a contiguous last dimension")
     if D < 1 or D & (D - 1):
         raise ValueError(f"raw_k width D must be a power of two >= 1, got {D}")
+    extra = {name: t for name, t in (("next_pos", next_pos), ("refusals", refusals)) if t is not None}
     _check_same_device("raw_k", raw_k, token_to_req=token_to_req, positions=positions,
-                       kc_cache=kc_cache, block_table=block_table, partial=partial)
+                       kc_cache=kc_cache, block_table=block_table, partial=partial, **extra)
     backend = routes.resolve_backend(backend, raw_k.device)
     if backend == "triton":
         _check_device(raw_k, "raw_k")
     if T == 0 or num_reqs == 0:  # nothing, or only padding rows
         return
 
-    dev = raw_k.device
-    req = token_to_req.to(torch.int64)
-    pos = positions.to(torch.int64)
-    ok = (req >= 0) & (req < num_reqs) & (pos >= 0)
-    req_c = torch.where(ok, req, 0)
-    pos_c = torch.where(ok, pos, 0)
-    j = pos_c % GROUP
-    t_idx = torch.arange(T, device=dev)
-    x = raw_k.float()
-    grp = torch.zeros(T, GROUP, D, dtype=torch.float32, device=dev)
-    for m in range(GROUP):
-        back = j - m                                   # distance to the member at 4*(p//4) + m
-        src = (t_idx - back).clamp(0, T - 1)
-        in_step = (back >= 0) & (t_idx - back >= 0) & (req[src] == req) & (pos[src] == pos_c - back)
-        earlier = partial[req_c, min(m, GROUP - 2)]
-        grp[:, m] = torch.where(in_step[:, None], x[src],
-                                torch.where(((back >= 0) & (m < GROUP - 1))[:, None], earlier, 0.0))
-    kc_new = (((grp[:, 0] + grp[:, 1]) + grp[:, 2]) + grp[:, 3]) * 0.25
+    # Stable sorts by position, then by request: the rows of a request adjacent, ascending, duplicates in
+    # batch order (the last one wins). Out-of-range requests and negative positions sort anywhere; they
+    # are recognised by the assembly and store nothing.
+    by_pos = torch.sort(positions, stable=True).indices
+    perm = by_pos[torch.sort(token_to_req[by_pos], stable=True).indices]
+    if backend == "torch":
+        grp, mean, rows = _assemble_torch(raw_k, token_to_req, positions, partial, next_pos, perm)
+    else:
+        raw = raw_k if raw_k.stride(1) == 1 else raw_k.contiguous()
+        t2r, pos = token_to_req.contiguous(), positions.contiguous()
+        grp = torch.empty(T, GROUP, D, dtype=torch.float32, device=raw_k.device)
+        mean = torch.empty(T, D, dtype=torch.float32, device=raw_k.device)
+        rows = torch.empty(4, T, dtype=torch.int64, device=raw_k.device)  # block, request, position, flags
+        assemble_groups_kernel[(T,)](
+            raw, perm, t2r, pos, partial, partial if next_pos is None else next_pos, grp, mean, rows[0],
+            rows[1], rows[2], rows[3], T, num_reqs, raw.stride(0), D=D, TRACK=next_pos is not None,
+        )
+    if next_pos is not None and _refuses_at_once(backend, raw_k.device):
+        _raise_first_refusal(rows[3], perm, token_to_req, positions, next_pos)
+    kc_new = mean
     if transform is not None:
-        kc_new = transform(kc_new, pos_c // GROUP)
+        kc_new = transform(mean, rows[0])
         if not isinstance(kc_new, torch.Tensor) or kc_new.shape != (T, D):
             raise ValueError(f"transform must return a [T, D] = [{T}, {D}] tensor")
         kc_new = kc_new.float()
     kc_new = kc_new.to(kc_cache.dtype).contiguous()      # round here: one rounding rule everywhere
     if backend == "torch":
-        _store_compressed_torch(kc_new, grp, req, pos, ok, req_c, j, kc_cache, block_table, partial)
+        _store_compressed_torch(kc_new, grp, rows, perm, token_to_req, positions, kc_cache, block_table,
+                                partial, next_pos)
         return
     bt = block_table.contiguous()
     store_compressed_kernel[(T,)](
-        kc_new, grp, token_to_req.contiguous(), positions.contiguous(), bt, kc_cache, partial,
+        kc_new, grp, rows[1], rows[2], bt, kc_cache, partial,
         T, num_reqs, kc_cache.shape[0], bt.shape[1], kc_cache.shape[1],
         kc_cache.stride(0), kc_cache.stride(1), bt.stride(0), D=D,
     )
+    if next_pos is not None:
+        finish_groups_kernel[(1,)](
+            perm, t2r, pos, rows[3], next_pos, next_pos if refusals is None else refusals, T,
+            RECORD=refusals is not None, BLOCK=min(max(next_pow2(T), 16), 1024),
+        )
 
 
-def _store_compressed_torch(kc_new, grp, req, pos, ok, req_c, j, kc_cache, block_table, partial) -> None:
-    """What ``store_compressed_kernel`` does, in PyTorch: the closing tokens' compressed keys into the
-    cache, the open group of each request's last token into ``partial``."""
-    T = kc_new.shape[0]
+def _refuses_at_once(backend: str, device: torch.device) -> bool:
+    """Whether refused rows raise at once (a host check): the PyTorch path, and any tensor on the CPU
+    (where the check costs no synchronisation). The GPU kernel path records them on the device."""
+    return backend == "torch" or device.type != "cuda"
+
+
+def refusal_message(req: int, pos: int, count: int, expected: int | None = None) -> str:
+    """The ValueError text of a refused compressed-key row."""
+    held = "" if expected is None else f" (its open group: next expected position {expected})"
+    more = f"; {count - 1} more row(s) refused" if count > 1 else ""
+    return (f"update_compressed_keys refused position {pos} of request {req}: the earlier members "
+            f"{4 * (pos // 4)}..{pos - 1} of its 4-token group were neither in the step nor held{held}, so "
+            f"its compressed key would be built from stale data{more}. Feed each request's positions with no "
+            f"gap from a multiple of 4, and reset a request slot given to a new request")
+
+
+def _raise_first_refusal(flags, perm, token_to_req, positions, next_pos) -> None:
+    """Raise the ValueError of the first refused row in (request, position) order, if any (host sync)."""
+    refused = ((flags & 1) != 0).nonzero()
+    if refused.numel():
+        row = int(perm[int(refused[0, 0])])
+        req, pos = int(token_to_req[row]), int(positions[row])
+        raise ValueError(refusal_message(req, pos, refused.shape[0], int(next_pos[req])))
+
+
+def _assemble_torch(raw_k, token_to_req, positions, partial, next_pos, perm):
+    """What ``assemble_groups_kernel`` computes, in PyTorch (with host synchronisation): the sorted rows'
+    groups ``[T, 4, D]``, their means ``[T, D]`` and ``[4, T]`` int64 rows of block index, store request,
+    store position (-1: nothing to store) and flags (1: refused, 2: the request's last row)."""
+    T, D = raw_k.shape
+    num_reqs = partial.shape[0]
+    dev = raw_k.device
+    req = token_to_req.to(torch.int64)[perm]
+    pos = positions.to(torch.int64)[perm]
+    ok = (req >= 0) & (req < num_reqs) & (pos >= 0)
+    req_n = torch.cat([req[1:], req.new_full((1,), -1)])
+    pos_n = torch.cat([pos[1:], pos.new_full((1,), -1)])
+    same_next = (req_n == req) & (pos_n >= 0)
+    same_next[-1] = False
+    active = ok & ~(same_next & (pos_n == pos))          # a later duplicate shadows this row
+    final = active & ~same_next
+    j = torch.where(active, pos, 0) % GROUP
+    req_c = torch.where(active, req, 0)
+    x = raw_k.float()[perm]
+    if next_pos is None:
+        held = torch.full_like(pos, GROUP - 1)
+    else:
+        e = torch.where(active, next_pos[req_c], -1)
+        held = torch.where((e >= 0) & (e - e % GROUP == pos - j), e - (pos - j), 0)
+    # The active rows are unique and ascend within a request: an earlier member of the same group that
+    # is in the step is one of the 3 active rows before.
+    act = active.nonzero().squeeze(1)
+    ra, pa, rowa = req[act], pos[act], perm[act]
+    c = torch.arange(act.shape[0], device=dev)
+    grp = torch.zeros(T, GROUP, D, dtype=torch.float32, device=dev)
+    missing = torch.zeros(T, dtype=torch.bool, device=dev)
+    for m in range(GROUP - 1):
+        src_a = torch.full_like(c, -1)
+        for d in (1, 2, 3):
+            cand = (c - d).clamp(min=0)
+            hit = (c >= d) & (ra[cand] == ra) & (pa[cand] == pa - pa % GROUP + m)
+            src_a = torch.where(hit, rowa[cand], src_a)
+        src = torch.full((T,), -1, dtype=torch.int64, device=dev)
+        src[act] = src_a
+        need = active & (m < j)
+        in_step = need & (src >= 0)
+        in_part = need & ~in_step & (m < held)
+        missing |= need & ~(in_step | in_part)
+        v = torch.where(in_step[:, None], raw_k.float()[src.clamp(min=0)],
+                        torch.where(in_part[:, None], partial[req_c, m], 0.0))
+        grp[:, m] = torch.where((active & (j == m))[:, None], x, v)
+    grp[:, GROUP - 1] = torch.where((active & (j == GROUP - 1))[:, None], x, 0.0)
+    mean = (((grp[:, 0] + grp[:, 1]) + grp[:, 2]) + grp[:, 3]) * 0.25
+    store = active & ~missing & ((j == GROUP - 1) | final)
+    rows = torch.stack([torch.where(active, pos // GROUP, 0), torch.where(store, req, -1),
+                        torch.where(store, pos, -1), missing.long() + 2 * final.long()])
+    return grp, mean, rows
+
+
+def _store_compressed_torch(kc_new, grp, rows, perm, token_to_req, positions, kc_cache, block_table, partial,
+                            next_pos) -> None:
+    """What ``store_compressed_kernel`` and ``finish_groups_kernel`` do, in PyTorch: the closing rows'
+    compressed keys into the cache, the open group of each request's last row into ``partial``, the
+    requests' next expected positions into ``next_pos``."""
     num_blocks, rows_per_page = kc_cache.shape[:2]
     max_blocks = block_table.shape[1]
-    b = torch.where(ok, pos, 0) // GROUP
+    ok = rows[2] >= 0
+    req = torch.where(ok, rows[1], 0)
+    pos = torch.where(ok, rows[2], 0)
+    j = pos % GROUP
+    b = pos // GROUP
     i_page = b // rows_per_page
     if max_blocks == 0:  # no table column: every page lookup is invalid
         page = torch.full_like(i_page, -1)
     else:
-        page = block_table.to(torch.int64)[req_c, i_page.clamp(0, max_blocks - 1)]
+        page = block_table.to(torch.int64)[req, i_page.clamp(0, max_blocks - 1)]
     close = ok & (j == GROUP - 1) & (i_page < max_blocks) & (page >= 0) & (page < num_blocks)
     kc_cache[page[close], (b % rows_per_page)[close]] = kc_new[close]
-    t_idx = torch.arange(T, device=kc_new.device)
-    nxt = (t_idx + 1).clamp(max=T - 1)
-    last = (t_idx + 1 >= T) | (req[nxt] != req) | (pos[nxt] != pos + 1)
-    keep_open = ok & (j != GROUP - 1) & last
+    keep_open = ok & (j != GROUP - 1)
     for m in range(GROUP - 1):
         sel = keep_open & (j >= m)
-        partial[req_c[sel], m] = grp[sel, m]
+        partial[req[sel], m] = grp[sel, m]
+    if next_pos is not None:
+        final = (rows[3] & 2) != 0
+        req_s = token_to_req.to(torch.int64)[perm]
+        pos_s = positions.to(torch.int64)[perm]
+        nxt = torch.where(((rows[3] & 1) != 0) & (pos_s % GROUP != GROUP - 1), -1, pos_s + 1)
+        next_pos[req_s[final]] = nxt[final]
 
 
 class CompressedKeyCache:
-    """A compressed-key cache with its per-request partial groups.
+    """A compressed-key cache with its per-request open groups and their positions.
 
     Args:
         num_blocks, block_size: the main KV cache's physical blocks and tokens per block
             (``block_size % 4 == 0``); the compressed cache has ``block_size // 4`` rows per block.
         num_reqs: request slots (rows of the block table).
-        dim: key width D, a power of two >= 16 (128 in QSA). dtype, device: of ``kc_cache``.
+        dim: key width D, a power of two >= 16 (128 in QSA). dtype: of ``kc_cache``.
+        device: where the tensors live; None (the default) means torch's current default device
+            (``torch.get_default_device()``), as for torch's own factory functions.
         transform: see :func:`update_compressed_keys`.
 
     Attributes:
-        kc_cache: ``[num_blocks, block_size // 4, dim]``, pass to :func:`select_tokens`.
+        kc_cache: ``[num_blocks, block_size // 4, dim]``, pass to :func:`select_tokens` (or use
+            :meth:`select`).
+        block_size: the main KV cache's tokens per block.
         partial: ``[num_reqs, 3, dim]`` fp32 open groups.
+        next_pos: ``[num_reqs]`` int64 next expected position of each request (0 at first).
+        refusals: ``[3]`` int64 refused rows recorded on the GPU path (count, request, position).
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_reqs: int, *, dim: int = 128,
-                 dtype=torch.bfloat16, device="cuda", transform=None):
+                 dtype=torch.bfloat16, device=None, transform=None):
         num_blocks = check_int("num_blocks", num_blocks, 0)
         block_size = check_int("block_size", block_size)
         num_reqs = check_int("num_reqs", num_reqs, 0)
@@ -556,14 +717,43 @@ class CompressedKeyCache:
         if dtype not in _FLOAT_DTYPES:
             raise TypeError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
         _check_transform(transform)
+        self.block_size = block_size
         self.kc_cache = torch.zeros(num_blocks, block_size // GROUP, dim, dtype=dtype, device=device)
         self.partial = torch.zeros(num_reqs, GROUP - 1, dim, dtype=torch.float32, device=device)
+        self.next_pos = torch.zeros(num_reqs, dtype=torch.int64, device=device)
+        self.refusals = torch.zeros(3, dtype=torch.int64, device=device)
         self.transform = transform
 
-    def update(self, raw_k, token_to_req, positions, block_table) -> None:
-        """Feed one step's raw keys (see :func:`update_compressed_keys`)."""
+    def update(self, raw_k, token_to_req, positions, block_table, *, backend: str | None = None) -> None:
+        """Feed one step's raw keys, rows in any order (see :func:`update_compressed_keys`, which this
+        calls with the cache's ``next_pos`` and ``refusals``): a row whose group's earlier members were never
+        fed raises a ValueError at once on the CPU and with ``backend="torch"``, and is recorded for
+        :meth:`check` by the GPU kernels."""
         update_compressed_keys(raw_k, token_to_req, positions, self.kc_cache, block_table, self.partial,
-                               transform=self.transform)
+                               block_size=self.block_size, next_pos=self.next_pos, refusals=self.refusals,
+                               transform=self.transform, backend=backend)
+
+    def select(self, index_q, block_table, token_to_req, positions, seq_lens, *, k: int = 512, out=None,
+               backend: str | None = None):
+        """:func:`select_tokens` over this cache (its block size included)."""
+        return select_tokens(index_q, self.kc_cache, block_table, token_to_req, positions, seq_lens,
+                             block_size=self.block_size, k=k, out=out, backend=backend)
+
+    def reset(self, reqs=None) -> None:
+        """Forget the open groups of request slots ``reqs`` (an index or index tensor; None: all), as when a
+        slot is given to a new request: their next expected position becomes 0."""
+        if reqs is None:
+            self.next_pos.zero_()
+        else:
+            self.next_pos[reqs] = 0
+
+    def check(self) -> None:
+        """Raise the ValueError of the rows refused on the GPU path since the last check, and clear the
+        record. Reads the device counter: a host synchronisation, for tests and debugging."""
+        count, req, pos = self.refusals.tolist()
+        if count:
+            self.refusals.zero_()
+            raise ValueError(refusal_message(req, pos, count))
 
 
 

@@ -183,6 +183,10 @@ class StepMetadata:
         plan: the attention plan buffers, created by the first layer and refilled by the others.
         workspace: the grouped planner's scratch, reused by every layer (CUDA-graph safe).
         attn_out: ``[T, Hq, D]`` attention output buffer shared by the layers.
+        routes_run: attention calls per route that ran with this metadata (each layer's call adds one
+            to every route whose kernel it launched: ``grouped`` and ``xqa`` both for a step split
+            between them; ``reference`` for the PyTorch reference), for reports of what ran. Nothing is
+            recorded while ``torch.compile`` traces the layer.
     """
 
     token_to_req: torch.Tensor
@@ -198,6 +202,7 @@ class StepMetadata:
     plan: object = field(default=None, repr=False)
     workspace: object = field(default=None, repr=False)
     attn_out: torch.Tensor | None = field(default=None, repr=False)
+    routes_run: dict = field(default_factory=dict, repr=False)
 
     TENSORS = ("token_to_req", "positions", "seq_lens", "block_table", "slot_mapping")
 
@@ -415,10 +420,11 @@ class QSAAttention(nn.Module):
         ops.write_kv(cache.kv, k, v, meta.slot_mapping, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
                      v_scale=c.v_scale, backend=backend)
         ops.update_compressed_keys(ik, meta.token_to_req, meta.positions, cache.kc, meta.block_table,
-                                   cache.partial, norm_weight=self.index_k_norm, eps=c.rms_norm_eps,
-                                   rotary_dim=c.index_rotary_dim, rope_theta=c.rope_theta, backend=backend)
+                                   cache.partial, block_size=cache.block_size, norm_weight=self.index_k_norm,
+                                   eps=c.rms_norm_eps, rotary_dim=c.index_rotary_dim, rope_theta=c.rope_theta,
+                                   backend=backend)
         indices = ops.select_tokens(iq, cache.kc, meta.block_table, meta.token_to_req, meta.positions,
-                                    meta.seq_lens, k=c.index_topk, backend=backend)
+                                    meta.seq_lens, block_size=cache.block_size, k=c.index_topk, backend=backend)
         attn = self.attention(q, gate, indices, meta, cache)
         y = F.linear(attn.reshape(x.shape[0], self.num_q_heads * c.head_dim), self.o_proj)
         if capture is not None:
@@ -435,6 +441,8 @@ class QSAAttention(nn.Module):
         c = self.config
         kw = dict(kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale, v_scale=c.v_scale)
         if torch.compiler.is_compiling() or meta.route == "reference":
+            if not torch.compiler.is_compiling() and q.shape[0]:
+                _record_routes(meta, ("reference",))
             return ops.sparse_paged_attention(q, cache.k, cache.v, indices, meta.block_table,
                                               meta.token_to_req, meta.positions, meta.seq_lens, gate=gate,
                                               route=meta.route, max_query_len=meta.max_query_len,
@@ -449,7 +457,9 @@ class QSAAttention(nn.Module):
                                    max_query_len=meta.max_query_len, rows_sorted=True)
         if meta.attn_out is None or meta.attn_out.shape != q.shape or meta.attn_out.dtype != q.dtype:
             meta.attn_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        return run_attention(meta.plan, q, cache.k, cache.v, gate=gate, out=meta.attn_out, **kw)
+        out = run_attention(meta.plan, q, cache.k, cache.v, gate=gate, out=meta.attn_out, **kw)
+        _record_routes(meta, routes_launched(meta.plan))
+        return out
 
     def _workspace(self, meta: StepMetadata, indices: torch.Tensor):
         """The step's grouped-planner scratch, allocated on first use (None when no rows are grouped)."""
@@ -464,6 +474,24 @@ class QSAAttention(nn.Module):
                 meta.workspace = PlanWorkspace.for_plan(meta.block_table, block_size=meta.block_size,
                                                         num_groups=max(groups, 1))
         return meta.workspace
+
+
+def routes_launched(plan) -> tuple[str, ...]:
+    """The routes whose kernels :func:`qsa.run_attention` launches for ``plan`` (as it dispatches them):
+    ``grouped`` for the plan's grouped rows and ``xqa`` for the rest (planned or direct) on the page4
+    routes, else the plan's one route; none for a plan of no rows."""
+    choice = plan.routes
+    if plan.num_rows == 0:
+        return ()
+    if choice.route in ("grouped", "xqa"):
+        return tuple(name for name, ran in (("grouped", plan.grouped is not None),
+                                            ("xqa", choice.direct or plan.single is not None)) if ran)
+    return (choice.route,)
+
+
+def _record_routes(meta: StepMetadata, names) -> None:
+    for name in names:
+        meta.routes_run[name] = meta.routes_run.get(name, 0) + 1
 
 
 # ----------------------------------------------------------------------------------------------

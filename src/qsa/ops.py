@@ -7,8 +7,12 @@ Registered ops (namespace ``qsa``), each with a fake (meta) implementation that 
   ``return_lse``); plans internally (logical order), so it needs no buffers from the caller.
 * ``qsa::select_tokens`` -- functional: ``[rows, 4k + 3]`` int32 token selection.
 * ``qsa::write_kv`` -- mutates an interleaved ``[num_blocks, 2, block_size, Hkv, D]`` cache.
-* ``qsa::update_compressed_keys`` -- mutates the compressed-key cache and the partial groups; the
-  RMSNorm (weight + 1) and RoPE at position ``4b`` of the QSA layer are applied inside.
+* ``qsa::update_compressed_keys`` -- mutates the compressed-key cache, the partial groups and (when given)
+  the requests' next expected positions and the refusal record; the RMSNorm (weight + 1) and RoPE at
+  position ``4b`` of the QSA layer are applied inside.
+
+The selection ops take ``block_size``, the main KV cache's tokens per block, and check the compressed-key
+cache against it (``block_size // 4`` rows per block).
 
 Each op that has a Triton kernel takes a ``backend``: ``"triton"`` runs the kernel, ``"torch"`` the
 library function's PyTorch implementation of the same contract (used where Triton cannot run -- a CPU
@@ -58,15 +62,15 @@ def _(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_le
 @torch.library.custom_op("qsa::select_tokens", mutates_args=())
 def _select_tokens_op(index_q: torch.Tensor, kc_cache: torch.Tensor, block_table: torch.Tensor,
                       token_to_req: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor, k: int,
-                      backend: str) -> torch.Tensor:
+                      backend: str, block_size: int) -> torch.Tensor:
     from .indexer import select_tokens as st
 
-    return st(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, k=k,
+    return st(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, block_size=block_size, k=k,
               backend=routes.resolve_backend(backend, index_q.device))
 
 
 @_select_tokens_op.register_fake
-def _(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, k, backend):
+def _(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, k, backend, block_size):
     return torch.empty((index_q.shape[0], 4 * k + 3), dtype=torch.int32, device=index_q.device)
 
 
@@ -87,22 +91,26 @@ def _(kv_cache, k, v, slot_mapping, kv_cache_dtype, k_scale, v_scale, backend):
     return None
 
 
-@torch.library.custom_op("qsa::update_compressed_keys", mutates_args=("kc_cache", "partial"))
+@torch.library.custom_op("qsa::update_compressed_keys",
+                         mutates_args=("kc_cache", "partial", "next_pos", "refusals"))
 def _update_compressed_keys_op(raw_k: torch.Tensor, token_to_req: torch.Tensor, positions: torch.Tensor,
                                kc_cache: torch.Tensor, block_table: torch.Tensor, partial: torch.Tensor,
                                norm_weight: torch.Tensor | None, eps: float, rotary_dim: int,
-                               rope_theta: float, backend: str) -> None:
+                               rope_theta: float, backend: str, block_size: int, next_pos: torch.Tensor | None,
+                               refusals: torch.Tensor | None) -> None:
+    # next_pos and refusals have no schema default: torch 2.11 drops trailing defaulted arguments before it
+    # bumps the version of the mutated ones (an IndexError).
     from .indexer import update_compressed_keys as uck
     from .layer import index_key_transform
 
-    uck(raw_k, token_to_req, positions, kc_cache, block_table, partial,
-        transform=index_key_transform(norm_weight, eps, rotary_dim, rope_theta),
+    uck(raw_k, token_to_req, positions, kc_cache, block_table, partial, block_size=block_size,
+        next_pos=next_pos, refusals=refusals, transform=index_key_transform(norm_weight, eps, rotary_dim, rope_theta),
         backend=routes.resolve_backend(backend, raw_k.device))
 
 
 @_update_compressed_keys_op.register_fake
 def _(raw_k, token_to_req, positions, kc_cache, block_table, partial, norm_weight, eps, rotary_dim,
-      rope_theta, backend):
+      rope_theta, backend, block_size, next_pos, refusals):
     return None
 
 
@@ -115,7 +123,14 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
                            softmax_scale: float | None = None, return_lse: bool = False, route: str = "auto",
                            max_query_len: int | None = None, rows_sorted: bool = False):
     """:func:`qsa.sparse_paged_attention` through the ``qsa::sparse_paged_attention`` custom op
-    (no ``out=``: the op is functional). Returns ``out`` or ``(out, lse)``."""
+    (no ``out=``: the op is functional). Returns ``out`` or ``(out, lse)``. Forward-only: with grad mode on,
+    inputs that require grad raise a ValueError (use ``torch.no_grad()`` or detached tensors)."""
+    from .api import check_forward_only
+
+    if isinstance(q, torch.Tensor):
+        check_forward_only(q, gate if isinstance(gate, torch.Tensor) else None,
+                           k_cache if isinstance(k_cache, torch.Tensor) else None,
+                           v_cache if isinstance(v_cache, torch.Tensor) else None)
     out, lse = torch.ops.qsa.sparse_paged_attention(
         q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, gate, kv_cache_dtype,
         as_finite_float("k_scale", k_scale), as_finite_float("v_scale", v_scale),
@@ -126,11 +141,12 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
     return (out, lse) if return_lse else out
 
 
-def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, *, k: int = 512,
-                  backend: str = "triton") -> torch.Tensor:
-    """:func:`qsa.indexer.select_tokens` through the ``qsa::select_tokens`` custom op."""
+def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, *, block_size: int,
+                  k: int = 512, backend: str = "triton") -> torch.Tensor:
+    """:func:`qsa.indexer.select_tokens` through the ``qsa::select_tokens`` custom op (``block_size``: the
+    main KV cache's tokens per block; ``kc_cache`` must have ``block_size // 4`` rows per block)."""
     return torch.ops.qsa.select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_lens,
-                                       check_int("k", k), backend)
+                                       check_int("k", k), backend, check_int("block_size", block_size))
 
 
 def write_kv(kv_cache, k, v, slot_mapping, *, kv_cache_dtype: str = "auto", k_scale: float = 1.0,
@@ -141,11 +157,14 @@ def write_kv(kv_cache, k, v, slot_mapping, *, kv_cache_dtype: str = "auto", k_sc
                            as_finite_float("v_scale", v_scale), backend)
 
 
-def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table, partial, *,
-                           norm_weight=None, eps: float = 1e-6, rotary_dim: int = 0,
+def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table, partial, *, block_size: int,
+                           next_pos=None, refusals=None, norm_weight=None, eps: float = 1e-6, rotary_dim: int = 0,
                            rope_theta: float = 10000.0, backend: str = "triton") -> None:
     """Feed one step's raw index keys into the compressed-key cache (``qsa::update_compressed_keys``),
-    transforming each compressed key by RMSNorm (``norm_weight + 1``) and RoPE at position ``4b``."""
+    transforming each compressed key by RMSNorm (``norm_weight + 1``) and RoPE at position ``4b``.
+    ``block_size``, ``next_pos`` and ``refusals`` as in :func:`qsa.indexer.update_compressed_keys` (rows in
+    any order; with ``next_pos``, rows whose group's earlier members were never fed are refused)."""
     torch.ops.qsa.update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table, partial,
                                          norm_weight, as_finite_float("eps", eps), check_int("rotary_dim", rotary_dim),
-                                         as_finite_float("rope_theta", rope_theta), backend)
+                                         as_finite_float("rope_theta", rope_theta), backend,
+                                         check_int("block_size", block_size), next_pos, refusals)

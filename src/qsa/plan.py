@@ -295,7 +295,7 @@ class PlanWorkspace:
 
 def planner_programs(num_groups: int, device, *, microblocks: int = 0, config: PlannerConfig = PLANNER) -> int:
     """Persistent grid of the grouped planner: a few programs per SM, never more than groups, and
-    no more than keep the scratch (:func:`scratch_words`, 5.1 bytes per logical microblock per program) under
+    no more than keep the scratch (:func:`scratch_words`, about 5.75 bytes per logical microblock per program plus 1536 words) under
     :data:`PLANNER_SCRATCH_BYTES` (at least one per SM)."""
     from .utils import device_facts
 

@@ -13,8 +13,10 @@ Routes:
 ``auto`` sends ``rows // GROUP_ROWS * GROUP_ROWS`` rows to ``grouped`` when there are at least
 ``GROUPED_MIN_ROWS`` rows, the shape is supported and the batch is not known to be pure decode (one row
 per request), the remaining rows to ``xqa``, and falls back to ``splitk`` for shapes the page4 routes
-do not take (to ``reference`` for head dims no Triton kernel takes). The reason a route is refused is
-logged once.
+do not take (to ``reference`` for head dims no Triton kernel takes, and where no Triton kernel can run:
+a CPU without the interpreter, or an interpreter that cannot run them, :func:`interpreter_problem`).
+Each such fallback is logged once per process, with its reason, as a WARNING on the ``qsa`` logger
+(printed to stderr when logging is not configured); a forced route that cannot run raises ValueError.
 
 xqa rows run one of two kernels: with a single-row plan built by its own launch, or, when the caller
 says the rows are sorted (``rows_sorted``: ascending kept tokens, dropped entries last, as
@@ -28,6 +30,7 @@ within rounding.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, replace
 
@@ -68,9 +71,11 @@ _logged: set[str] = set()
 
 
 def log_once(message: str) -> None:
+    """Log ``message`` once per process at WARNING on the ``qsa`` logger: with no logging configured,
+    Python's last-resort handler prints it to stderr, so a fallback of ``route="auto"`` is never silent."""
     if message not in _logged:
         _logged.add(message)
-        logger.info(message)
+        logger.warning(message)
 
 
 @dataclass(frozen=True)
@@ -139,8 +144,8 @@ def grouped_config(G: int, head_dim: int, kv_fp8: bool = False) -> GroupedConfig
     cache loads a quarter of the bytes per tile into registers: there num_stages 3 alone was slower
     (1.312-1.322 vs 1.272 ms at o80) and with the plan-entry prefetch faster (1.245 ms)
     (benchmarks/results/experiments/2026-11-30-0246-grouped-stages-nvidia-h200.json). More heads (12/1,
-    24/2) take 128-row tiles on 8 warps with the plan-entry prefetch, which keeps 8 (12/1) or 4 (24/2)
-    rows per program: 0.46 ms (12/1) and 0.86 ms (24/2) for 2048 rows at 8K, overlap 0.8
+    24/2) take 128-row tiles on 8 warps with the plan-entry prefetch, which keeps all 8 rows per program
+    (both have G = 12; fewer rows only for G > 16): 0.46 ms (12/1) and 0.86 ms (24/2) for 2048 rows at 8K, overlap 0.8
     (tune-2026-11-29-2027); 12/1 at 64K, overlap 0.8: 1.66-1.67 ms with 3 stages, 1.82 ms with 4,
     2.16 ms with 2.
 
@@ -398,8 +403,53 @@ def page4_refusal(G: int, head_dim: int) -> str | None:
     return None
 
 
+NO_BACKEND_HINT = ("set TRITON_INTERPRET=1 before importing qsa to run the Triton kernels under the "
+                   "interpreter, slowly, for testing")
+
+
+@functools.lru_cache(maxsize=None)
+def interpreter_problem() -> str | None:
+    """Why the Triton interpreter cannot run qsa's kernels here, or None; found by running a probe kernel
+    once per process (only called with the interpreter on: the kernel is defined then).
+
+    The probe does what every page4 kernel does and what broke under NumPy 2.4 with the Triton 3.6
+    interpreter: a loop whose bounds are loaded from memory (the interpreter holds loaded scalars in
+    1-element arrays and turns them into loop bounds with ``int()``, which NumPy 2.4 refuses)."""
+    import numpy
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def probe_kernel(bounds_ptr, out_ptr):
+        start = tl.load(bounds_ptr)
+        end = tl.load(bounds_ptr + 1)
+        acc = tl.zeros((4,), dtype=tl.int32)
+        for i in range(start, end):
+            acc += i
+        tl.store(out_ptr + tl.arange(0, 4), acc)
+
+    bounds = torch.tensor([2, 5], dtype=torch.int32)
+    out = torch.zeros(4, dtype=torch.int32)
+    versions = f"numpy {numpy.__version__} with triton {triton.__version__}"
+    try:
+        probe_kernel[(1,)](bounds, out)
+    except Exception as e:  # the interpreter wraps what failed (InterpreterError, TypeError, ...)
+        detail = (str(e).strip().splitlines() or [""])[0][:160]
+        return (f"the Triton interpreter cannot run qsa's kernels with {versions} ({type(e).__name__}: "
+                f"{detail}); NumPy 2.4 and newer break it: pip install 'numpy<2.4'")
+    if out.tolist() != [9] * 4:
+        return (f"the Triton interpreter computes a loop with bounds loaded from memory wrongly with {versions} "
+                f"(got {out.tolist()}, want [9, 9, 9, 9]); NumPy 2.4 and newer break it: pip install 'numpy<2.4'")
+    return None
+
+
 def triton_available(device: torch.device) -> str | None:
-    """Why Triton kernels cannot run on ``device``, or None."""
+    """Why Triton kernels cannot run on ``device``, or None. Under the interpreter (``TRITON_INTERPRET=1``)
+    the interpreter must also run a probe kernel with the installed NumPy (:func:`interpreter_problem`)."""
+    if interpreter_enabled():
+        problem = interpreter_problem()
+        if problem is not None:
+            return problem
     if device.type == "cuda":
         cap = device_facts(str(device))["capability"]
         if cap < (8, 0):
@@ -407,7 +457,7 @@ def triton_available(device: torch.device) -> str | None:
         return None
     if interpreter_enabled():
         return None
-    return f"no Triton backend for device {device.type} (set TRITON_INTERPRET=1 to interpret)"
+    return f"no Triton backend for device {device.type}; {NO_BACKEND_HINT}"
 
 
 BACKENDS = ("triton", "torch")
@@ -468,12 +518,13 @@ def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device
     if no_triton is not None:
         if route != "auto":
             raise ValueError(f"route={route!r} cannot run: {no_triton}")
-        log_once(f"qsa: using the reference route: {no_triton}")
+        log_once(f"qsa: route 'auto' falls back to the PyTorch reference attention: {no_triton}")
         return RoutePlan("reference", 0)
     if head_dim not in HEAD_DIMS:
         if route != "auto":
             raise ValueError(f"head_dim must be one of {HEAD_DIMS} for the Triton routes, got {head_dim}")
-        log_once(f"qsa: no Triton route takes head_dim {head_dim} (one of {HEAD_DIMS}); using the reference route")
+        log_once(f"qsa: route 'auto' falls back to the PyTorch reference attention: no Triton kernel takes "
+                 f"head_dim {head_dim} (they take {HEAD_DIMS})")
         return RoutePlan("reference", 0)
     refusal = page4_refusal(G, head_dim)
     if route == "splitk":
@@ -489,7 +540,7 @@ def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device
             raise ValueError(f"route={route!r} cannot run: {refusal}")
         grouped_rows = rows if route == "grouped" else 0
     elif refusal is not None:
-        log_once(f"qsa: page4 routes refused ({refusal}); using splitk")
+        log_once(f"qsa: route 'auto' takes splitk, not the page4 routes (grouped, xqa): {refusal}")
         return RoutePlan("splitk", 0)
     elif rows < GROUPED_MIN_ROWS or max_query_len == 1:
         route, grouped_rows = "xqa", 0

@@ -13,7 +13,7 @@ that seed run the same computation on different page placements, and must produc
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -77,6 +77,9 @@ class StepRecord:
     kind: str  # "prefill" or "decode"
     rows: int  # rows computed (decode: padded batch)
     tokens: int  # real tokens
+    routes: dict = field(default_factory=dict)  # attention calls (one per layer) per route that ran
+    # (StepMetadata.routes_run; a graph replay: those of the captured step)
+    backend: str = ""  # how the selection and cache writes ran: "triton" or "torch"
 
 
 @dataclass
@@ -86,7 +89,7 @@ class GenerationResult:
     Attributes:
         tokens: generated tokens of each request.
         logits: ``[n, vocab]`` fp32 (CPU) logits of every sampled position, in emission order.
-        steps: one record per step.
+        steps: one record per step (with the attention routes that ran in it, :meth:`route_steps`).
         prefill_s, decode_s: wall time of the two phases (device synchronised).
         capture: the captured step (see :meth:`Engine.generate`), or None.
     """
@@ -105,6 +108,21 @@ class GenerationResult:
     @property
     def decode_tokens(self) -> int:
         return sum(s.tokens for s in self.steps if s.kind == "decode")
+
+    def route_steps(self) -> dict[str, dict[str, int]]:
+        """``{route: {"prefill": steps, "decode": steps}}``: the steps of each kind in which a route's
+        kernel ran (in any layer), from the steps' records; a step split between grouped and xqa rows
+        counts for both."""
+        tally: dict[str, dict[str, int]] = {}
+        for s in self.steps:
+            for route in s.routes:
+                counts = tally.setdefault(route, {"prefill": 0, "decode": 0})
+                counts[s.kind] += 1
+        return tally
+
+    def backends(self) -> set[str]:
+        """How the selection and cache writes ran in these steps (``"triton"``, ``"torch"``)."""
+        return {s.backend for s in self.steps}
 
 
 @dataclass
@@ -243,12 +261,13 @@ class Engine:
                            capture_layer=capture_layer, capture=cap)
             if cap is not None:
                 captured = self._capture(cap, meta, capture_layer)
+            ran = dict(meta.routes_run)
             if logit_rows:
                 tok = logits.argmax(-1)
                 last_tok[torch.tensor(logit_slots, device=dev)] = tok
                 sampled.append((logit_slots, tok))
                 logits_out.append(logits)
-            steps.append(StepRecord("prefill", len(ids), len(ids)))
+            steps.append(StepRecord("prefill", len(ids), len(ids), ran, meta.backend))
             if on_step:
                 on_step(len(steps), total, "prefill")
         _sync(dev)
@@ -266,16 +285,17 @@ class Engine:
             meta = self._meta(t2r, pos, slots)
             cap = step_capture(i)
             if c.cuda_graph and cap is None:
-                logits = self._decode_graph(last_tok, meta)
+                logits, ran = self._decode_graph(last_tok, meta)
             else:
                 logits = model(last_tok, meta, self.caches, capture_layer=capture_layer, capture=cap)
+                ran = dict(meta.routes_run)
             if cap is not None:
                 captured = self._capture(cap, meta, capture_layer)
             tok = torch.where(active, logits.argmax(-1), last_tok)
             last_tok = tok
             sampled.append((list(range(n)), tok[:n]))
             logits_out.append(logits[:n])
-            steps.append(StepRecord("decode", c.max_reqs, n))
+            steps.append(StepRecord("decode", c.max_reqs, n, ran, meta.backend))
             if on_step:
                 on_step(len(steps), total, "decode")
         _sync(dev)
@@ -288,22 +308,25 @@ class Engine:
         logits_all = torch.cat(logits_out).cpu()
         return GenerationResult(tokens, logits_all, steps, t1 - t0, t2 - t1, captured)
 
-    def _decode_graph(self, input_ids: torch.Tensor, meta: StepMetadata) -> torch.Tensor:
+    def _decode_graph(self, input_ids: torch.Tensor, meta: StepMetadata) -> tuple[torch.Tensor, dict]:
         """Decode through a CUDA graph: the first call runs eagerly on static buffers (warm-up) and
-        captures; later calls copy the step's data into the static buffers and replay."""
+        captures; later calls copy the step's data into the static buffers and replay. Returns the
+        logits and the attention routes the step ran (a replay: those launched in the capture)."""
         if self._graph is None:
             static_ids = input_ids.clone()
             logits = self.model(static_ids, meta, self.caches)  # warm-up: a real step, eagerly
+            ran = dict(meta.routes_run)
+            meta.routes_run.clear()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 static_logits = self.model(static_ids, meta, self.caches)
-            self._graph = (graph, static_ids, meta, static_logits)
-            return logits.clone()
-        graph, static_ids, static_meta, static_logits = self._graph
+            self._graph = (graph, static_ids, meta, static_logits, dict(meta.routes_run))
+            return logits.clone(), ran
+        graph, static_ids, static_meta, static_logits, captured = self._graph
         static_ids.copy_(input_ids)
         static_meta.copy_(meta)
         graph.replay()
-        return static_logits.clone()
+        return static_logits.clone(), dict(captured)
 
     def _capture(self, cap: dict, meta: StepMetadata, layer: int) -> dict:
         cache = self.caches[layer]

@@ -167,7 +167,8 @@ def _select(step: StepInputs, kc, table, backend: str, rows=None):
     iq, t2r, pos = step.iq, step.token_to_req, step.positions
     if rows is not None:
         iq, t2r, pos = iq[rows], t2r[rows], pos[rows]
-    return ops.select_tokens(iq, kc, table, t2r, pos, step.seq_lens, k=step.index_topk, backend=backend)
+    return ops.select_tokens(iq, kc, table, t2r, pos, step.seq_lens, block_size=step.kv.shape[2], k=step.index_topk,
+                             backend=backend)
 
 
 def _attend(step: StepInputs, kv, table, indices, route: str, order: str = "logical",
@@ -492,6 +493,10 @@ def _verify(args, device: torch.device) -> int:
 
     from . import routes
 
+    no_triton = routes.triton_available(device)
+    if no_triton is not None and args.route not in ("auto", "reference"):
+        print(f"qsa verify: --route {args.route} cannot run: {no_triton}", file=sys.stderr)
+        return 2
     t0 = time.perf_counter()
     if args.load:
         step = args.step.to(device)

@@ -174,3 +174,154 @@ def store_compressed_kernel(
             m_m = o_m[:, None] <= j
             vals = tl.load(grp_ptr + t.to(tl.int64) * (4 * D) + o_m[:, None] * D + o_d[None, :], mask=m_m)
             tl.store(part_ptr + req * (3 * D) + o_m[:, None] * D + o_d[None, :], vals, mask=m_m)
+
+
+@triton.jit
+def assemble_groups_kernel(
+    raw_ptr,      # [T, D] raw keys of the step (any float dtype, last dim contiguous)
+    perm_ptr,     # [T] int64 sorted row -> batch row: rows ordered by (request, position), stably
+    req_ptr,      # [T] int32/int64 request of each batch row
+    pos_ptr,      # [T] int32/int64 position of each batch row
+    part_ptr,     # [num_reqs, 3, D] fp32 raw keys of each request's open group (read)
+    next_ptr,     # [num_reqs] int64 next expected position of each request (read when TRACK)
+    grp_ptr,      # [T, 4, D] fp32 out: members 4*(p//4) .. p of each sorted row's group (0 past p)
+    mean_ptr,     # [T, D] fp32 out: (((m0 + m1) + m2) + m3) * 0.25
+    blk_ptr,      # [T] int64 out: block index p // 4 (0 for rows that store nothing)
+    req_out_ptr,  # [T] int64 out: request for store_compressed_kernel (-1: the row stores nothing)
+    pos_out_ptr,  # [T] int64 out: position for store_compressed_kernel (-1: the row stores nothing)
+    flag_ptr,     # [T] int32 out: bit 0 the row is refused, bit 1 the row is its request's last
+    T, num_reqs, stride_raw,
+    D: tl.constexpr,
+    TRACK: tl.constexpr,   # next_ptr is given: a member neither in the step nor held is missing
+):
+    """Program i: sorted row i. Rows of one request are adjacent and ascend by position; of several rows
+    with one (request, position) the last one (in batch order) is the row, the others are ignored.
+
+    A member ``4*(p//4) + m`` (m < p % 4) comes from this step's row of that position when there is one
+    (found by scanning back over the request's rows), else from ``partial[req, m]`` when the request's open
+    group holds it (TRACK: ``next_pos`` is in that group and past the member; without TRACK always), else it
+    is missing and the row is refused. Closing rows (p % 4 == 3) that are not refused, and the last row of
+    each request when its group stays open and it is not refused, are handed to store_compressed_kernel:
+    every other row gets request and position -1 there (the store kernel's "last of its request" test then
+    sees exactly one row per request)."""
+    i = tl.program_id(0)
+    o_d = tl.arange(0, D)
+    row = tl.load(perm_ptr + i)
+    req = tl.load(req_ptr + row).to(tl.int64)
+    pos = tl.load(pos_ptr + row).to(tl.int64)
+    ok = (req >= 0) & (req < num_reqs) & (pos >= 0)
+    has_next = i + 1 < T
+    row_n = tl.load(perm_ptr + i + 1, mask=has_next, other=0)
+    req_n = tl.load(req_ptr + row_n, mask=has_next, other=-1).to(tl.int64)
+    pos_n = tl.load(pos_ptr + row_n, mask=has_next, other=-1).to(tl.int64)
+    same_next = has_next & (req_n == req) & (pos_n >= 0)
+    active = ok & ~(same_next & (pos_n == pos))       # a later duplicate shadows this row
+    final = active & ~same_next
+    j = tl.where(active, pos % 4, 0)
+    g0 = pos - j
+
+    # The rows of the group's earlier members sit just before row i (duplicates in between): scan back.
+    src0 = tl.full([], -1, tl.int64)
+    src1 = tl.full([], -1, tl.int64)
+    src2 = tl.full([], -1, tl.int64)
+    s = i - 1
+    go = active & (j > 0) & (s >= 0)
+    while go:
+        row_s = tl.load(perm_ptr + s)
+        req_s = tl.load(req_ptr + row_s).to(tl.int64)
+        pos_s = tl.load(pos_ptr + row_s).to(tl.int64)
+        in_grp = (req_s == req) & (pos_s >= g0)
+        m = pos_s - g0
+        take = in_grp & (pos_s < pos)
+        src0 = tl.where(take & (m == 0) & (src0 < 0), row_s, src0)   # first seen: the last duplicate
+        src1 = tl.where(take & (m == 1) & (src1 < 0), row_s, src1)
+        src2 = tl.where(take & (m == 2) & (src2 < 0), row_s, src2)
+        s -= 1
+        go = in_grp & (s >= 0)
+
+    req_c = tl.where(active, req, 0)
+    if TRACK:
+        e = tl.load(next_ptr + req_c, mask=active, other=-1).to(tl.int64)
+        held = tl.where((e >= 0) & (e - e % 4 == g0), e - g0, 0)      # members the open group holds
+    else:
+        held = tl.full([], 3, tl.int64)
+    p_part = part_ptr + req_c * (3 * D)
+    missing = j < 0                                                    # False: j >= 0
+    x = tl.load(raw_ptr + row * stride_raw + o_d, mask=active, other=0.0).to(tl.float32)
+
+    need = active & (0 < j)
+    v0 = tl.load(raw_ptr + src0 * stride_raw + o_d, mask=need & (src0 >= 0), other=0.0).to(tl.float32)
+    v0 = tl.where(need & (src0 < 0), tl.load(p_part + o_d, mask=need & (src0 < 0) & (0 < held), other=0.0), v0)
+    missing = missing | (need & (src0 < 0) & (held <= 0))
+    v0 = tl.where(j == 0, x, v0)
+
+    need = active & (1 < j)
+    v1 = tl.load(raw_ptr + src1 * stride_raw + o_d, mask=need & (src1 >= 0), other=0.0).to(tl.float32)
+    v1 = tl.where(need & (src1 < 0), tl.load(p_part + D + o_d, mask=need & (src1 < 0) & (1 < held), other=0.0), v1)
+    missing = missing | (need & (src1 < 0) & (held <= 1))
+    v1 = tl.where(j == 1, x, v1)
+
+    need = active & (2 < j)
+    v2 = tl.load(raw_ptr + src2 * stride_raw + o_d, mask=need & (src2 >= 0), other=0.0).to(tl.float32)
+    v2 = tl.where(need & (src2 < 0), tl.load(p_part + 2 * D + o_d, mask=need & (src2 < 0) & (2 < held),
+                                              other=0.0), v2)
+    missing = missing | (need & (src2 < 0) & (held <= 2))
+    v2 = tl.where(j == 2, x, v2)
+
+    v3 = tl.where(j == 3, x, 0.0)
+    i64 = i.to(tl.int64)
+    p_grp = grp_ptr + i64 * (4 * D) + o_d
+    tl.store(p_grp, v0)
+    tl.store(p_grp + D, v1)
+    tl.store(p_grp + 2 * D, v2)
+    tl.store(p_grp + 3 * D, v3)
+    tl.store(mean_ptr + i64 * D + o_d, (((v0 + v1) + v2) + v3) * 0.25)
+
+    refused = missing                                                  # never without TRACK
+    store = (active & (j == 3) & ~refused) | (final & (j != 3) & ~refused)
+    tl.store(blk_ptr + i, tl.where(active, pos // 4, 0))
+    tl.store(req_out_ptr + i, tl.where(store, req, -1))
+    tl.store(pos_out_ptr + i, tl.where(store, pos, -1))
+    tl.store(flag_ptr + i, refused.to(tl.int32) + 2 * final.to(tl.int32))
+
+
+@triton.jit
+def finish_groups_kernel(
+    perm_ptr,     # [T] int64 sorted row -> batch row
+    req_ptr,      # [T] int32/int64 request of each batch row
+    pos_ptr,      # [T] int32/int64 position of each batch row
+    flag_ptr,     # [T] int32 flags of assemble_groups_kernel
+    next_ptr,     # [num_reqs] int64 next expected position of each request (written)
+    ref_ptr,      # [3] int64 refusals: count, request and position of the first one recorded (written)
+    T,
+    RECORD: tl.constexpr,   # ref_ptr is given
+    BLOCK: tl.constexpr,
+):
+    """One program, after assemble_groups_kernel: the last row of each request sets that request's next
+    expected position (p + 1, or -1 when its group stays open with a member missing), and refused rows
+    are counted; the first refusal ever recorded keeps its request and position (the lowest
+    (request, position) of its step)."""
+    o = tl.arange(0, BLOCK)
+    count = tl.zeros([], tl.int64)
+    first = tl.full([], 2**31 - 1, tl.int32)
+    for start in range(0, T, BLOCK):
+        o_t = start + o
+        m_t = o_t < T
+        flag = tl.load(flag_ptr + o_t, mask=m_t, other=0)
+        row = tl.load(perm_ptr + o_t, mask=m_t, other=0)
+        req = tl.load(req_ptr + row, mask=m_t, other=0).to(tl.int64)
+        pos = tl.load(pos_ptr + row, mask=m_t, other=0).to(tl.int64)
+        refused = (flag & 1) != 0
+        final = (flag & 2) != 0
+        nxt = tl.where(refused & (pos % 4 != 3), -1, pos + 1)
+        tl.store(next_ptr + req, nxt, mask=m_t & final)
+        count += tl.sum(refused.to(tl.int64), axis=0)
+        first = tl.minimum(first, tl.min(tl.where(refused, o_t, 2**31 - 1), axis=0))
+    if RECORD:
+        if count > 0:
+            prev = tl.load(ref_ptr)
+            if prev == 0:
+                row = tl.load(perm_ptr + first)
+                tl.store(ref_ptr + 1, tl.load(req_ptr + row).to(tl.int64))
+                tl.store(ref_ptr + 2, tl.load(pos_ptr + row).to(tl.int64))
+            tl.store(ref_ptr, prev + count)
