@@ -155,7 +155,25 @@ def device_info(device) -> dict:
         p = torch.cuda.get_device_properties(dev)
         return dict(name=p.name, capability=f"{p.major}.{p.minor}", sm_count=p.multi_processor_count,
                     memory_gib=round(p.total_memory / 2**30, 1))
-    return dict(name="cpu", capability=None, sm_count=os.cpu_count(), memory_gib=None)
+    return dict(name="cpu", capability=None, sm_count=os.cpu_count(), memory_gib=None, cores=os.cpu_count(),
+                processor=_cpu_model(), triton_interpreter=os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
+
+
+def _cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or what ``platform`` knows of it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.lower().startswith("model name") and ":" in line:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def is_cpu(report: dict) -> bool:
+    """Whether ``report`` is of a run on the CPU (the Triton kernels under the interpreter)."""
+    return report.get("device") == "cpu"
 
 
 def slug(text: str) -> str:
@@ -191,9 +209,21 @@ def build_report(suite, *, started: datetime.datetime, quick: bool, complete: bo
         ceilings=suite.ceilings,
         scenarios=list(suite.scenarios.values()),
         records=suite.records,
-        targets=evaluate_targets(suite.records, suite.scenarios, suite.ceilings),
+        targets=(cpu_targets() if info["name"] == "cpu"
+                 else evaluate_targets(suite.records, suite.scenarios, suite.ceilings)),
         fatal_error=suite.fatal,
     )
+
+
+CPU_TARGET_NOTE = "needs a CUDA GPU (an H200 goal): not evaluated on the CPU"
+
+
+def cpu_targets() -> list:
+    """The ``targets`` list of a CPU run: every target unmeasured, with why. Its goals are H200 times at
+    GPU sizes, and the CPU runs tiny scenarios under the Triton interpreter."""
+    return [dict(name=name, value=None, goal=goal, op=op, unit=unit, met=None, scenario=scn, what=what,
+                 note=CPU_TARGET_NOTE)
+            for name, scn, op, goal, unit, what in TARGETS]
 
 
 def write_json(path: Path, data: dict):
@@ -277,9 +307,118 @@ SCENARIO_COLUMNS = ("scenario", "workload", "overlap", "avg union / group (micro
 TARGET_COLUMNS = ("target", "value", "goal", "met", "note")
 
 
-def write_markdown(report: dict, path: Path, *, plot: Path | None, history: list):
+# ------------------------------------------------------------------------------------------------
+# the CPU report: what a run under the Triton interpreter measured, without the GPU's rates and targets
+
+
+CPU_RESULT_COLUMNS = ("scenario", "route", "median ms", "min ms", "max ms", "calls", "max abs (bound)",
+                      "rel L2 (bound)", "check", "note")
+
+
+def _check(r: dict) -> str:
+    if r.get("error") and not r.get("passed"):
+        return "FAIL" if r.get("max_abs_err") is not None or r.get("rows_differ") else "ERROR"
+    return {True: "ok", False: "FAIL", None: "-"}[r.get("passed")]
+
+
+def _err_and_bound(err, bound) -> str:
+    if err is None:
+        return "-"
+    return _fmt(err, ".2e") + ("" if bound is None else f" ({_fmt(bound, '.2e')})")
+
+
+def cpu_result_rows(report: dict) -> list:
+    """The measured records of a CPU run: times (wall-clock, with the number of calls) and each check.
+
+    Floors are left out (models built on the CPU's copy and matmul rates), and so are the rates and the
+    ratios between routes: under the interpreter they measure the interpreter."""
+    rows = []
+    for r in report["records"]:
+        if r["kind"] == "floor":
+            continue
+        check = _check(r)
+        if "exact" in r and r.get("passed"):  # selection: against the exact top-k
+            check += " (exact)" if r.get("exact") else " (up to ties)"
+        note = (str(r["error"]).splitlines() or [""])[0][:100] if r.get("error") else ""
+        rows.append((r["scenario"], r["route"], _fmt(r.get("median_ms"), ".4g"), _fmt(r.get("min_ms"), ".4g"),
+                     _fmt(r.get("max_ms"), ".4g"), _fmt(r.get("reps")),
+                     _err_and_bound(r.get("max_abs_err"), r.get("bound_abs")),
+                     _err_and_bound(r.get("rel_l2_err"), r.get("bound_rel")), check, note))
+    return rows
+
+
+def cpu_summary(report: dict) -> list:
+    """Lines that say what a CPU run was: the device, the versions, how it timed and checked, the targets."""
+    d = report.get("device_info") or {}
+    v = report.get("versions") or {}
     c = report.get("ceilings") or {}
+    interp = d.get("triton_interpreter")
+    reps = sorted({r["reps"] for r in report["records"] if r.get("reps")})
+    calls = "/".join(str(n) for n in reps) or "-"
+    passed = [r for r in report["records"] if r["kind"] in ("route", "baseline") and r.get("passed")]
+    checked = [r for r in report["records"] if r["kind"] in ("route", "baseline")]
     lines = [
+        f"device: cpu ({d.get('cores') or d.get('sm_count') or '?'} cores"
+        f"{', ' + d['processor'] if d.get('processor') else ''}), Triton interpreter "
+        f"{'on' if interp else 'off' if interp is not None else '-'}; python {v.get('python')}, torch "
+        f"{v.get('torch')}, triton {v.get('triton')}, qsa {v.get('qsa')}",
+        f"scenarios run: {len(report['scenarios'])}; routes and baselines checked: {len(passed)} of "
+        f"{len(checked)} passed (attention against the fp32 reference within the bounds shown, selection "
+        "against the exact top-k), each timed only after it passed",
+        f"times: wall-clock medians of {calls} calls under the Triton interpreter; they measure the "
+        "interpreter, not the kernels' speed on a GPU",
+    ]
+    if c.get("copy_gbps") and c.get("matmul_tflops"):
+        shape = "x".join(str(n) for n in c.get("matmul_shape") or [])
+        lines.append(f"ceilings measured: copy {_fmt(c['copy_gbps'], '.3g')} GB/s, fp16 matmul "
+                     f"{_fmt(c['matmul_tflops'] * 1e3, '.3g')} GFLOP/s{' at ' + shape if shape else ''} (the "
+                     "GPU report's floors, built on them, are left out)")
+    lines.append(f"targets: the {len(TARGETS)} targets of benchmarks/README.md are H200 goals at GPU sizes and "
+                 "need a CUDA GPU; not evaluated on the CPU")
+    return lines
+
+
+def cpu_text(report: dict) -> str:
+    """The text report of a CPU run (``qsa bench`` prints it at the end)."""
+    return "\n\n".join(["\n".join(cpu_summary(report)), text_table(SCENARIO_COLUMNS, scenario_rows(report)),
+                        text_table(CPU_RESULT_COLUMNS, cpu_result_rows(report))])
+
+
+def _cpu_markdown(report: dict) -> list:
+    summary = cpu_summary(report)
+    return [
+        "# Benchmarks (CPU)",
+        "",
+        f"Generated by `qsa bench` (`benchmarks/run.py`) on **cpu**, {report['date']}"
+        f"{' (`--quick`)' if report['quick'] else ''}{'' if report['complete'] else ' (incomplete run)'}: the "
+        "tiny scenarios, the Triton kernels under the interpreter. Definitions of the columns: "
+        "`benchmarks/README.md`.",
+        "",
+        *[f"- {line}" for line in summary[:-1]],
+        "",
+        "## Targets",
+        "",
+        f"The {len(TARGETS)} targets (`benchmarks/README.md`) are H200 goals at GPU sizes and need a CUDA GPU: "
+        "they are not evaluated on the CPU.",
+        "",
+        "## Scenarios",
+        "",
+        md_table(SCENARIO_COLUMNS, scenario_rows(report)),
+        "",
+        "## Results",
+        "",
+        "Times in ms, wall-clock; `max abs` and `rel L2`: errors against the fp32 reference, with the bounds "
+        "a route must stay within in parentheses.",
+        "",
+        md_table(CPU_RESULT_COLUMNS, cpu_result_rows(report)),
+        "",
+    ]
+
+
+def write_markdown(report: dict, path: Path, *, plot: Path | None, history: list):
+    """``benchmarks.md`` of a run (of a CPU run: what it measured, without the GPU's rates and targets)."""
+    c = report.get("ceilings") or {}
+    lines = _cpu_markdown(report) if is_cpu(report) else [
         "# Benchmarks",
         "",
         f"Generated by `qsa bench` (`benchmarks/run.py`) on **{report['device']}**, {report['date']}"
@@ -330,7 +469,8 @@ def write_plot(report: dict, path: Path) -> str | None:
         import matplotlib.pyplot as plt
     except Exception as e:  # matplotlib missing: skip the plot
         return f"plot skipped: matplotlib not importable ({type(e).__name__})"
-    recs = [r for r in report["records"] if r.get("median_ms") and r["route"] in PLOT_ROUTES]
+    recs = [r for r in report["records"] if r.get("median_ms") and r["route"] in PLOT_ROUTES
+            and not (is_cpu(report) and r["kind"] == "floor")]  # a CPU's floors mean nothing
     if not recs:
         return "plot skipped: no timed records"
     kinds = [("attention", [s["name"] for s in report["scenarios"] if s["kind"] == "attention"]),

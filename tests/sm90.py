@@ -3,10 +3,12 @@
 The interpreter does not catch what only the GPU compiler rejects (dot shapes, layouts, shared
 memory); compiling for sm_90 here does, and reports registers, spills and shared memory.
 
-    python tests/sm90.py        # compile every kernel at its production settings
+    python tests/sm90.py                      # compile every kernel at its production settings
+    python tests/sm90.py grouped single-row   # some sections only (SECTIONS; --list names them)
 """
 
 import dataclasses
+import functools
 import os
 import re
 import subprocess
@@ -67,26 +69,40 @@ def _tool(name: str) -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
+@functools.lru_cache(maxsize=4)
+def _sass(cubin: bytes) -> str:
+    """The SASS of a cubin (cuobjdump), disassembled once for the checks that read it."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
+
+
 def resource_usage(compiled) -> dict:
     """Registers, stack, local memory (spills) and shared memory of a compiled kernel, and whether
     ptxas serialised its wgmma instructions (info C7515: each waits for the one before, so the
     tensor cores idle between the steps of a dot)."""
+    ptx_text = compiled.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "k.cubin")
         with open(path, "wb") as f:
             f.write(compiled.asm["cubin"])
         text = subprocess.run([_tool("cuobjdump"), "-res-usage", path], capture_output=True, text=True).stdout
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
-        ptx = os.path.join(d, "k.ptx")
-        with open(ptx, "w") as f:
-            f.write(compiled.asm["ptx"])
-        info = subprocess.run([_tool("ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "p.cubin")],
-                              capture_output=True, text=True)
+        info = ""
+        if "wgmma" in ptx_text:  # C7515 is about wgmma only: without it there is nothing to serialise
+            ptx = os.path.join(d, "k.ptx")
+            with open(ptx, "w") as f:
+                f.write(ptx_text)
+            run = subprocess.run([_tool("ptxas"), "-arch=sm_90a", "-v", ptx, "-o", os.path.join(d, "p.cubin")],
+                                 capture_output=True, text=True)
+            info = run.stdout + run.stderr
+    sass = _sass(compiled.asm["cubin"])
     m = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
     usage = {k: int(v) for k, v in zip(("regs", "stack", "shared_static", "local"), m.groups())} if m else {}
     usage["shared"] = compiled.metadata.shared
-    usage["wgmma_serialized"] = "C7515" in info.stdout + info.stderr
-    usage["pdl"] = "griddepcontrol.wait" in compiled.asm["ptx"]
+    usage["wgmma_serialized"] = "C7515" in info
+    usage["pdl"] = "griddepcontrol.wait" in ptx_text
     # Spill loads and stores (STL/LDL) between the first and the last tensor-core instruction: inside
     # the tile loop (and its pipelined prologue and epilogue), where they would cost every tile.
     ops = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", sass)
@@ -95,7 +111,7 @@ def resource_usage(compiled) -> dict:
     usage["spills"] = sum(op.split(".")[0] in ("STL", "LDL") for op in ops)
     # The highest register the code names: above "regs" where setmaxnreg raised a region's count.
     usage["max_reg"] = max((int(r) for r in re.findall(r"\bR(\d+)\b", sass)), default=0)
-    usage["mma"] = "wgmma" if "wgmma" in compiled.asm["ptx"] else ("mma" if "mma.sync" in compiled.asm["ptx"] else "none")
+    usage["mma"] = "wgmma" if "wgmma" in ptx_text else ("mma" if "mma.sync" in ptx_text else "none")
     return usage
 
 
@@ -242,11 +258,7 @@ def check_invariant_kernels(cache, width=2051):
 def qk_chain_depth(compiled) -> int:
     """The longest run of dependent ``HMMA`` steps (each accumulating the one before) in the sm_90 SASS:
     the score product's chain, the deepest of the kernel's."""
-    with tempfile.TemporaryDirectory() as d:
-        path = os.path.join(d, "k.cubin")
-        with open(path, "wb") as f:
-            f.write(compiled.asm["cubin"])
-        sass = subprocess.run([_tool("cuobjdump"), "-sass", path], capture_output=True, text=True).stdout
+    sass = _sass(compiled.asm["cubin"])
     depth = {}  # register -> length of the chain of HMMA steps that last wrote it (0: another instruction)
     longest = 0
     for op, dst, rest in re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s+(R\d+)([^;]*);", sass):
@@ -474,26 +486,74 @@ def check_selection_and_cache_kernels() -> dict:
     return usage
 
 
-def main() -> int:
-    """Compile every kernel at its production settings; print resource usage; non-zero on failure."""
+def section_grouped():
     for act, cache in (("fp16", "fp16"), ("bf16", "bf16"), ("fp16", "u8")):
         for G in (6, 12, 24):
             print(f"grouped {act}/{cache} G={G}: {check_grouped_kernel(act, cache, G)}")
-    for route in ("xqa", "xqa-direct", "xqa-direct-64", "xqa-direct-128", "xqa-direct-unresolved", "splitk",
-                  "splitk-few"):
-        for cache in ("fp16", "u8"):
-            print(f"{route} {cache}: {check_single_row_kernel(route, cache)}")
-    for cache in ("fp16", "u8"):
+
+
+def _single_row(*names):
+    def section():
+        for route in names:
+            for cache in ("fp16", "u8"):
+                print(f"{route} {cache}: {check_single_row_kernel(route, cache)}")
+    return section
+
+
+def _invariant(cache):
+    def section():
         for width in (2051, 4096):
             print(f"invariant {cache} W={width}: {check_invariant_kernels(cache, width)}")
+    return section
+
+
+def section_merge_and_planner():
     check_merge_and_planner_kernels()
     print("merge and planner kernels: compiled")
+
+
+def section_arguments_of_one():
     check_arguments_of_one()
     print("arguments of 1: compiled")
+
+
+def section_selection_and_cache():
     for what, usage in check_selection_and_cache_kernels().items():
         print(f"{what}: {usage}")
+
+
+def section_gluon():
     print(f"gluon prototype (plain, lazy): {check_gluon_prototype()}")
     print(f"gluon warp-specialized prototype (V in 3, 2 buffers): {check_gluon_ws_prototype()}")
+
+
+SECTIONS = {  # each compiles on its own, in a process of its own if need be (tests/test_compile_sm90.py)
+    "grouped": section_grouped,
+    "single-row": _single_row("xqa", "xqa-direct", "splitk", "splitk-few"),
+    "single-row-wide": _single_row("xqa-direct-64", "xqa-direct-128", "xqa-direct-unresolved"),
+    "invariant-fp16": _invariant("fp16"),
+    "invariant-u8": _invariant("u8"),
+    "merge-planner": section_merge_and_planner,
+    "arguments-of-one": section_arguments_of_one,
+    "selection-cache": section_selection_and_cache,
+    "gluon": section_gluon,
+}
+
+
+def main(argv=None) -> int:
+    """Compile every kernel of the named sections (all without names) at its production settings; print
+    resource usage and "section NAME: compiled" after each; non-zero on failure."""
+    names = sys.argv[1:] if argv is None else list(argv)
+    if names == ["--list"]:
+        print("\n".join(SECTIONS))
+        return 0
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        print(f"unknown sections {unknown}; the sections: {', '.join(SECTIONS)}", file=sys.stderr)
+        return 2
+    for name in names or SECTIONS:
+        SECTIONS[name]()
+        print(f"section {name}: compiled", flush=True)
     return 0
 
 

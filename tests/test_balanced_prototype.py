@@ -1,5 +1,6 @@
 """The balanced-schedule prototype of grouped attention (benchmarks/prototypes/balanced_grouped.py): its
-host plans and its kernels under the interpreter, against the fp64 reference."""
+host plans and its kernels under the interpreter, against the fp64 reference. A prototype outside the
+library: marked ``lab``, left out of the default run (``python -m pytest -m lab``)."""
 
 import os
 import sys
@@ -12,6 +13,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.prototypes.balanced_grouped import balanced_grouped, host_plan  # noqa: E402
 from qsa.plan import plan_groups  # noqa: E402
 from qsa.reference import assert_close_like_torch, make_attention_case, reference_attention  # noqa: E402
+
+pytestmark = pytest.mark.lab
 
 
 def _case(seed=0, rows=37):

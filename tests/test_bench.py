@@ -1,5 +1,9 @@
 """The benchmark suite on the CPU: generators, references, the correctness gate, target evaluation and a
-tiny end-to-end run under the Triton interpreter (JSON schema, docs)."""
+tiny end-to-end run under the Triton interpreter (JSON schema, docs).
+
+The tools around it (the launch-setting sweep, floors, the profiler driver, A/B runs) are marked ``lab``
+and left out of the default run (``python -m pytest -m lab``); a sweep of the decode workload's settings
+stays in it."""
 
 import dataclasses
 import json
@@ -470,32 +474,33 @@ def test_qsa_bench_runs_the_kernels_on_a_cpu_without_the_interpreter_flag(tmp_pa
     env = dict(os.environ, TRITON_INTERPRET="0")
     proc = subprocess.run([sys.executable, "-m", "qsa.cli", "bench", "--scenario", "tiny-decode", "--route", "xqa",
                            "--device", "cpu", "--out", str(tmp_path), "--no-docs"],
-                          env=env, capture_output=True, text=True, timeout=600)
+                          env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     recs = json.loads((tmp_path / "latest.json").read_text())["records"]
     xqa = [r for r in recs if r["route"] == "xqa"]
     assert xqa and all(r["passed"] and r["error"] is None for r in xqa), xqa
 
 
-def test_tune_smoke_checks_and_times_every_setting(tmp_path, monkeypatch):
-    """benchmarks.tune under the interpreter: every planner and kernel setting is checked (planner
-    settings against the default plan, kernels against the fp32 reference) and timed."""
+def _tune_smoke(tmp_path, monkeypatch, *only):
+    """benchmarks.tune's smoke run (of the workloads named in ``only``, or all): its records, each checked
+    (planner settings against the default plan, kernels against the fp32 reference) and timed."""
     from benchmarks import tune
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert tune.main(["--smoke", "--out", str(tmp_path)]) == 0
+    assert tune.main(["--smoke", *(a for o in only for a in ("--only", o)), "--out", str(tmp_path)]) == 0
     records = json.load(open(tmp_path / "tune.json"))["records"]
     assert records and all(r["error"] is None and r["median_ms"] > 0 for r in records), records
+    return records
+
+
+def _check_single_row_records(records):
     whats = {r["what"] for r in records}
-    assert {"plan-single", "plan-grouped", "grouped-attn", "xqa-attn", "splitk-attn", "direct-attn",
-            "direct-total", "direct-splits", "direct-merge"} <= whats
+    assert {"plan-single", "xqa-attn", "splitk-attn", "direct-attn", "direct-total", "direct-splits",
+            "direct-merge"} <= whats
     merges = {tuple(r["setting"]) for r in records if r["what"] == "direct-merge"}
     assert merges == {(16, 4), (8, 2)}
     row_planners = {tuple(r["setting"]) for r in records if r["what"] == "plan-single" and r["setting"] != "-"}
     assert row_planners == {(None, None, None), (16, 4, True)}
-    layouts = {r["setting"][4] for r in records if r["what"] == "plan-grouped" and r["setting"] != "-"}
-    assert layouts == {"nibbles", "rows"}
-    assert any(len(r["setting"]) >= 8 and r["setting"][7] for r in records if r["what"] == "plan-grouped")  # the map
     direct = [r["setting"] for r in records if r["what"] == "direct-attn"]
     assert {len(s) >= 6 and s[5] for s in direct} == {False, True}  # entries resolved before the loop or not
     assert any(len(s) >= 8 and s[7] for s in direct)  # the deferred row check
@@ -503,6 +508,28 @@ def test_tune_smoke_checks_and_times_every_setting(tmp_path, monkeypatch):
     assert any(len(s) == 9 and s[8] for s in direct)
 
 
+def test_tune_smoke_checks_and_times_the_decode_settings(tmp_path, monkeypatch):
+    """benchmarks.tune under the interpreter on its decode workload: every single-row planner and kernel
+    setting (xqa planned and direct, its splits and merges, splitk) checked and timed."""
+    records = _tune_smoke(tmp_path, monkeypatch, "decode")
+    assert {r["workload"] for r in records} == {"smoke-decode"}
+    _check_single_row_records(records)
+
+
+@pytest.mark.lab
+def test_tune_smoke_checks_and_times_every_setting(tmp_path, monkeypatch):
+    """benchmarks.tune under the interpreter: every planner and kernel setting is checked (planner
+    settings against the default plan, kernels against the fp32 reference) and timed."""
+    records = _tune_smoke(tmp_path, monkeypatch)
+    _check_single_row_records(records)
+    whats = {r["what"] for r in records}
+    assert {"plan-grouped", "grouped-attn"} <= whats
+    layouts = {r["setting"][4] for r in records if r["what"] == "plan-grouped" and r["setting"] != "-"}
+    assert layouts == {"nibbles", "rows"}
+    assert any(len(r["setting"]) >= 8 and r["setting"][7] for r in records if r["what"] == "plan-grouped")  # the map
+
+
+@pytest.mark.lab
 def test_tune_splitk_only(tmp_path, monkeypatch):
     """``--splitk-only`` times splitk's settings and nothing else, each checked first."""
     from benchmarks import tune
@@ -515,6 +542,7 @@ def test_tune_splitk_only(tmp_path, monkeypatch):
     assert {tuple(r["setting"]) for r in records} == {tune.SPLITK[0], tune.SPLITK[2]}
 
 
+@pytest.mark.lab
 def test_tune_checks_each_setting_on_its_own_output(tmp_path, monkeypatch):
     """A setting that writes nothing fails its check, although the setting before it left a right output
     in the shared buffer (each check runs on a NaN-filled buffer)."""
@@ -534,6 +562,7 @@ def test_tune_checks_each_setting_on_its_own_output(tmp_path, monkeypatch):
     assert records[1]["median_ms"] is None
 
 
+@pytest.mark.lab
 def test_ncu_probe_runs_a_scenario(capsys):
     """The profiler driver plans and runs a scenario end to end (tiny shape, interpreter) and refuses a
     selection scenario."""
@@ -545,6 +574,7 @@ def test_ncu_probe_runs_a_scenario(capsys):
         ncu_probe.main(["tiny-selection", "--device", "cpu"])
 
 
+@pytest.mark.lab
 def test_floors_probe_sums_exactly_the_entries_xqa_reads(device):
     """benchmarks.floors: each gather-probe variant (precomputed offsets, block table, contiguous copy)
     sums exactly the K/V head rows the xqa route reads, per program, at several split counts, for an
@@ -591,6 +621,7 @@ def _group_union_sums(w, k, v, group_rows: int) -> torch.Tensor:
     return out
 
 
+@pytest.mark.lab
 def test_floors_grouped_probe_sums_the_union_of_each_group(device):
     """benchmarks.floors' grouped probe, on its check cache (integers in the slots the plan loads, NaN
     elsewhere): per (group, KV head) it sums exactly the K/V of the tokens that some row of the group
@@ -629,6 +660,7 @@ def test_floors_grouped_probe_sums_the_union_of_each_group(device):
     assert probe.checked(64, 8, 4, 3)[1]
 
 
+@pytest.mark.lab
 def test_floors_cli_writes_its_report(tmp_path, capsys):
     """``python -m benchmarks.floors`` on the CPU: routes, launches and probes measured, JSON and
     Markdown written; a selection scenario is refused."""
@@ -717,6 +749,7 @@ def test_target_values_that_miss_their_goal_never_print_as_it():
     assert target_value(0.8, 0.8) == "0.8"
 
 
+@pytest.mark.lab
 def test_ab_alternates_versions_and_compares_bits(tmp_path, monkeypatch):
     """benchmarks.ab under the interpreter: a process per version (two copies of one source), each pair
     checked against the reference and timed, and each process importing the version it was given. Equal
@@ -777,6 +810,7 @@ def test_unsorted_routes_plan_without_the_hint():
     assert not plans["xqa-unsorted"].routes.direct and plans["xqa-unsorted"].single is not None
 
 
+@pytest.mark.lab
 def test_ab_refuses_to_time_a_wrong_step(monkeypatch):
     """An A/B process checks each step (on a NaN-filled output) before it times anything."""
     from benchmarks import ab, breakdown
@@ -798,6 +832,7 @@ def test_ab_refuses_to_time_a_wrong_step(monkeypatch):
         ab.worker("new", [("tiny-decode", "splitk")], 1, None)
 
 
+@pytest.mark.lab
 def test_ab_extracts_a_commits_source(tmp_path):
     """``--old-rev``: the commit's ``src/`` through ``git archive`` (needs the repository)."""
     import subprocess

@@ -1,4 +1,5 @@
-"""benchmarks.dense_floor: the dense kernel on the grouped step's work, its reference, and the CLI."""
+"""benchmarks.dense_floor: the dense kernel on the grouped step's work, its reference, and the CLI.
+Benchmark tooling: marked ``lab``, left out of the default run (``python -m pytest -m lab``)."""
 
 import json
 
@@ -6,6 +7,8 @@ import pytest
 import torch
 
 from benchmarks import dense_floor
+
+pytestmark = pytest.mark.lab
 
 
 def _problem(device, groups=3, group_rows=2, hq=4, d=16, mb=4, seed=0):

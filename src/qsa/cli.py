@@ -1,4 +1,4 @@
-"""The ``qsa`` command: ``info``, ``demo``, ``verify``, ``bench``."""
+"""The ``qsa`` command: ``info``, ``demo``, ``verify``, ``bench`` and ``--version``."""
 
 from __future__ import annotations
 
@@ -39,10 +39,12 @@ def info(args) -> int:
 
 
 COMMANDS = {
-    "demo": ("qsa.demo", "run the tiny QSA model twice with different page placements"),
-    "verify": ("qsa.verify", "replay a step under relocations, permutations and CUDA graphs"),
-    "bench": ("benchmarks.run", "benchmark scenarios (from a source checkout)"),
+    "demo": ("qsa.demo", "run the tiny QSA model twice with different page placements, compare the logits"),
+    "verify": ("qsa.verify", "replay a step under relocations, permutations and CUDA graphs, compare bitwise"),
+    "bench": ("benchmarks.run", "run the benchmark suite (from a source checkout)"),
 }
+"""Subcommands with options of their own: module, one line of help. They get the rest of the command
+line untouched (``qsa <command> --help`` prints their options)."""
 
 
 def _run_module(module: str, argv: list) -> int:
@@ -55,17 +57,33 @@ def _run_module(module: str, argv: list) -> int:
     return importlib.import_module(module).main(argv)
 
 
+def build_parser() -> argparse.ArgumentParser:
+    """The ``qsa`` parser: ``--version``, and every subcommand with its line of help."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="qsa", description="QSA sparse paged attention kernels: checks, demo and benchmarks.",
+        epilog="Run 'qsa <command> --help' for the options of a command.")
+    parser.add_argument("--version", action="version", version=f"qsa {__version__}")
+    sub = parser.add_subparsers(dest="command", title="commands", metavar="<command>")
+    sub.add_parser("info", help="print versions, the device and the routes it supports",
+                   description="Print the versions of qsa, Python, torch, triton and numpy, the device and "
+                               "the routes it supports.").set_defaults(func=info)
+    for name, (_, text) in COMMANDS.items():
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # Subcommands with options of their own get the rest of the command line untouched.
     if argv and argv[0] in COMMANDS:
         return _run_module(COMMANDS[argv[0]][0], argv[1:])
-    parser = argparse.ArgumentParser(prog="qsa", description="QSA sparse paged attention kernels")
-    sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("info", help="versions, device, supported routes").set_defaults(func=info)
-    for name, (_, text) in COMMANDS.items():
-        sub.add_parser(name, help=f"{text} (see qsa {name} --help)")
+    parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command is None:  # bare `qsa`: what it can do
+        parser.print_help()
+        return 0
     return args.func(args)
 
 
