@@ -44,7 +44,7 @@ def chunked_attention(q, k_cache, v_cache, indices, block_table, token_to_req, p
                       compute_dtype: torch.dtype, kv_cache_dtype: str = "auto", k_scale: float = 1.0,
                       v_scale: float = 1.0, softmax_scale: float | None = None, out=None,
                       chunk_rows: int | None = None):
-    """Sparse paged attention (SPEC section 4) in plain PyTorch, ``chunk_rows`` rows at a time.
+    """Sparse paged attention (docs/spec.md section 4) in plain PyTorch, ``chunk_rows`` rows at a time.
 
     Each row's set ``T_r`` is found with tensor ops (sort, duplicates dropped, validity masked); its
     K/V rows are gathered through the block table into ``[chunk, W, Hkv, D]`` in ``compute_dtype``
@@ -142,7 +142,7 @@ def _dense_keys(kc_cache, block_table, req: int):
 
 def exact_selection(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, *, k: int = 512,
                     chunk_rows: int = 256):
-    """The selection stage's exact answer (SPEC section 2), for inputs whose fp32 scores are exact.
+    """The selection stage's exact answer (docs/spec.md section 2), for inputs whose fp32 scores are exact.
 
     Scores in fp64, order by score descending with ties by lower block index (a stable sort), the
     ``k`` best visible candidate blocks ascending, expanded to ``[rows, 4k + 3]`` int32 tokens.

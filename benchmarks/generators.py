@@ -116,7 +116,7 @@ def fill_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim:
 
 
 def visible_blocks(positions: np.ndarray, seq_lens_rows: np.ndarray) -> np.ndarray:
-    """Candidate blocks per row (SPEC section 2): ``min((pos + 1) // 4, seq_len // 4)``."""
+    """Candidate blocks per row (docs/spec.md section 2): ``min((pos + 1) // 4, seq_len // 4)``."""
     return np.minimum((positions + 1) // 4, seq_lens_rows // 4)
 
 
@@ -186,7 +186,7 @@ def _draw_unselected(rng, inset: np.ndarray, v: int, need: int, free: int) -> np
 def expand_blocks(blocks: torch.Tensor, positions: torch.Tensor, seq_row: torch.Tensor,
                   row_ok: torch.Tensor | None = None) -> torch.Tensor:
     """Blocks ``[rows, k]`` (ascending, -1 padded at the end) -> tokens ``[rows, 4k + 3]`` int32 as the
-    selection stage emits them (SPEC section 2): ``4b .. 4b + 3`` per block, then the causal tail
+    selection stage emits them (docs/spec.md section 2): ``4b .. 4b + 3`` per block, then the causal tail
     ``((pos + 1) // 4) * 4 .. pos``, then -1; tokens ``>= seq_len`` become -1."""
     rows, k = blocks.shape
     dev = blocks.device
@@ -237,7 +237,7 @@ def synthetic_index_keys(scn: Scenario, num_blocks: int, *, device, dyadic: bool
 
 def kept_entries(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int, num_blocks: int):
     """``(keep, phys)``, both ``[rows, W]`` in the rows' own order: whether each entry passes the checks of
-    SPEC section 4 (a valid row; a token that is valid, visible, inside the sequence and the table, whose
+    docs/spec.md section 4 (a valid row; a token that is valid, visible, inside the sequence and the table, whose
     table entry is a block of the cache; duplicates are all marked), and its physical block."""
     idx = indices.long()
     num_reqs, max_blocks = block_table.shape
@@ -255,7 +255,7 @@ def kept_entries(indices, block_table, token_to_req, positions, seq_lens, *, blo
 
 
 def kept_tokens(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int, num_blocks: int):
-    """Each row's attended set ``T_r`` (SPEC section 4), vectorised.
+    """Each row's attended set ``T_r`` (docs/spec.md section 4), vectorised.
 
     Returns:
         ``(tokens, phys, keep)``: ``[rows, W]`` int64 tokens sorted ascending per row, their physical

@@ -584,7 +584,7 @@ def test_checker_rejects_known_wrong_outputs():
 @pytest.mark.parametrize("route", ROUTES)
 def test_self_aliasing_request_counts_both_copies(route):
     """A table mapping two logical blocks of one request to one page: the row's token set holds both
-    copies (SPEC section 4), and every route, grouped included, attends both."""
+    copies (docs/spec.md section 4), and every route, grouped included, attends both."""
     case = make_attention_case(rows=16, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, block_size=8,
                                width=24, max_seq_len=40, messy=False, share_prefix=False, seed=21)
     case.block_table[0, 1] = case.block_table[0, 0]

@@ -707,7 +707,7 @@ def test_timer_flushes():
 
 def test_kept_entries_in_row_order_are_the_reference_sets():
     """``generators.kept_entries`` (the entries the floors' probes read, at their positions in the row)
-    marks, row by row, exactly the tokens of the reference's keep rule (SPEC section 4) on messy rows:
+    marks, row by row, exactly the tokens of the reference's keep rule (docs/spec.md section 4) on messy rows:
     -1, tokens past the position, the length and the table, table entries -1 and past the cache, padding
     rows, rows whose position is past their length."""
     from benchmarks.generators import kept_entries

@@ -100,7 +100,7 @@ def test_rows_of_one_request_merge_and_requests_keep_their_entries():
 
 def test_self_aliasing_keeps_both_copies():
     """Two logical blocks of one request on one physical block: both are tokens of the row's set
-    (SPEC section 4), so the group keeps two entries, like the single-row plan."""
+    (docs/spec.md section 4), so the group keeps two entries, like the single-row plan."""
     args = (torch.tensor([[0, 1, 6], [6, -1, -1]], dtype=torch.int32), torch.tensor([[3, 3]], dtype=torch.int32),
             torch.zeros(2, dtype=torch.int32), torch.tensor([7, 7]), torch.tensor([8], dtype=torch.int32))
     grouped = plan_groups(*args, block_size=4, num_blocks=4, group_rows=2)

@@ -269,7 +269,7 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
     inputs.check_unchanged()
     k_scale = as_finite_float("k_scale", k_scale)
     v_scale = as_finite_float("v_scale", v_scale)
-    if kv_cache_dtype == "fp8_e4m3":  # written as x / scale (SPEC section 3): a scale must be > 0
+    if kv_cache_dtype == "fp8_e4m3":  # written as x / scale (docs/spec.md section 3): a scale must be > 0
         for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
             if not value > 0:
                 raise ValueError(f"{name} must be > 0 for an FP8 cache, got {value}")
@@ -296,7 +296,7 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
                                             k_scale=k_scale, v_scale=v_scale, softmax_scale=scale,
                                             compute_dtype=torch.float32)
         attn = attn.to(q.dtype)
-        if gate is not None:  # SPEC section 1: round to the activation dtype, then gate in fp32
+        if gate is not None:  # docs/spec.md section 1: round to the activation dtype, then gate in fp32
             attn = (attn.float() * torch.sigmoid(gate.float())).to(q.dtype)
         out.copy_(attn)
         if lse is not None:

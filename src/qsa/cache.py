@@ -1,6 +1,6 @@
 """Paged KV cache: storage, FP8 E4M3 quantisation, the write kernel launcher, block bookkeeping.
 
-Layouts (SPEC section 3):
+Layouts (docs/spec.md section 3):
 
 * interleaved: ``storage[num_blocks, 2, block_size, Hkv, D]``; ``k = storage[:, 0]``, ``v = storage[:, 1]``
   are strided views ``[num_blocks, block_size, Hkv, D]``.

@@ -1,4 +1,4 @@
-"""Selection (the indexer, SPEC section 2): compressed keys, block scores, exact top-k, token expansion.
+"""Selection (the indexer, docs/spec.md section 2): compressed keys, block scores, exact top-k, token expansion.
 
 The stage picks, for every query row, the ``k`` best 4-token blocks of its request and expands them to
 the token list that :func:`qsa.sparse_paged_attention` consumes::

@@ -1,4 +1,4 @@
-"""Pure-PyTorch references for the selection stage (SPEC section 2). Slow, loop-based, exact.
+"""Pure-PyTorch references for the selection stage (docs/spec.md section 2). Slow, loop-based, exact.
 
 Every function here is independent of the Triton kernels: orders come from stable sorts, scores from
 plain gathers through the block table and fp32 (or fp64) matmuls. They run on the CPU or the GPU. See ``docs/selection.md`` for the definitions.

@@ -1,4 +1,4 @@
-"""The QSA attention layer (SPEC sections 1-2) and the per-step metadata all layers share.
+"""The QSA attention layer (docs/spec.md sections 1-2) and the per-step metadata all layers share.
 
 One step of one layer, for ``T`` rows (tokens of any requests; padding rows allowed)::
 
@@ -35,7 +35,7 @@ from .utils import check_int, check_positive_float
 
 @dataclass(frozen=True)
 class QSAConfig:
-    """Sizes of a QSA layer. The defaults are the reference configuration (SPEC section 1).
+    """Sizes of a QSA layer. The defaults are the reference configuration (docs/spec.md section 1).
 
     Attributes:
         hidden_size: model width.

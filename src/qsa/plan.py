@@ -4,7 +4,7 @@ A *microblock* is 4 consecutive token slots of one physical KV block. Its id is
 ``physical_block * (block_size // 4) + (token % block_size) // 4``; token ``t`` of a request sits in
 microblock ``t // 4`` of the request's logical space, at mask bit ``t % 4``.
 
-Row validity (SPEC section 4): row ``r`` with ``req = token_to_req[r]`` is a padding row unless
+Row validity (docs/spec.md section 4): row ``r`` with ``req = token_to_req[r]`` is a padding row unless
 ``0 <= req < num_reqs`` and ``positions[r] >= 0``. Token ``t`` of ``indices[r]`` is kept iff
 ``0 <= t < seq_lens[req]``, ``t <= positions[r]``, ``t // block_size < max_blocks`` and
 ``0 <= block_table[req, t // block_size] < num_blocks``. Everything else is dropped and never read.

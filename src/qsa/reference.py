@@ -57,7 +57,7 @@ def _check_inputs(q, k_cache, v_cache, indices, block_table, token_to_req, posit
 
 
 def _kept_tokens(row_indices, req, pos, seq_lens, table, block_size, num_blocks) -> list[int]:
-    """Sorted distinct tokens row attends (SPEC section 4); [] for padding rows."""
+    """Sorted distinct tokens row attends (docs/spec.md section 4); [] for padding rows."""
     if not 0 <= req < len(seq_lens) or pos < 0:
         return []
     kept = set()
@@ -80,7 +80,7 @@ def _load_kv(cache, blocks, offsets, fp8: bool, scale: float, dtype) -> torch.Te
 
 
 def _apply_gate(attn, gate, compute_dtype):
-    """SPEC section 1: ``round_to_act(attn).float() * sigmoid(gate.float())``, cast back."""
+    """docs/spec.md section 1: ``round_to_act(attn).float() * sigmoid(gate.float())``, cast back."""
     if gate is None:
         return attn
     if compute_dtype == torch.float64:
@@ -95,7 +95,7 @@ def _lse_dtype(compute_dtype):
 def reference_attention(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, *,
                         gate=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, softmax_scale=None,
                         compute_dtype=torch.float64):
-    """Sparse paged attention over token sets, one row at a time (SPEC section 4).
+    """Sparse paged attention over token sets, one row at a time (docs/spec.md section 4).
 
     Row ``r`` attends the set ``T_r`` of distinct tokens ``t`` of ``indices[r]`` with ``t >= 0``,
     ``t < seq_lens[req]``, ``t <= positions[r]`` and a valid ``block_table[req, t // block_size]``
@@ -112,7 +112,7 @@ def reference_attention(q, k_cache, v_cache, indices, block_table, token_to_req,
         kv_cache_dtype, k_scale, v_scale: FP8 caches read as ``e4m3 * scale``.
         softmax_scale: default ``D ** -0.5``.
         compute_dtype: float64 (ground truth, fp64 out) or the activation dtype (fp16/bf16: scores,
-            softmax and P@V in that dtype, then the gate rule of SPEC section 1), or float32.
+            softmax and P@V in that dtype, then the gate rule of docs/spec.md section 1), or float32.
 
     Returns:
         ``(out, lse)``: ``out [rows, Hq, D]`` in ``compute_dtype``; ``lse [rows, Hq]`` natural-log
@@ -316,7 +316,7 @@ def reference_single_row_plan(indices, block_table, token_to_req, positions, seq
                               block_size: int, num_blocks: int) -> SingleRowPlan:
     """The single-row page4 plan built with Python loops (see :class:`qsa.plan.SingleRowPlan`).
 
-    Per row: kept tokens (SPEC section 4) grouped by logical microblock ``t // 4``, ascending; id
+    Per row: kept tokens (docs/spec.md section 4) grouped by logical microblock ``t // 4``, ascending; id
     ``block_table[req, t // block_size] * (block_size // 4) + (t % block_size) // 4``; mask bit
     ``t % 4``. Padded with ``(first id, mask 0)`` to a multiple of PAD; entries past that are 0.
     """
@@ -514,7 +514,7 @@ def make_attention_case(*, rows: int = 13, num_reqs: int = 3, num_q_heads: int =
                         with_gate: bool = False, messy: bool = True, share_prefix: bool = True,
                         padding_rows: int = 2, spare_blocks: int = 3, seed: int = 0,
                         device="cpu") -> AttentionCase:
-    """Build a random problem with the awkward cases of SPEC section 4.
+    """Build a random problem with the awkward cases of docs/spec.md section 4.
 
     Requests get random lengths and pages from a shuffled :class:`~qsa.cache.BlockAllocator` (block 0
     reserved); with ``share_prefix`` request 1 aliases request 0's first page. Only slots of tokens

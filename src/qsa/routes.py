@@ -566,7 +566,7 @@ def split_count(programs: int, max_tiles: int, programs_per_sm: int, device: tor
     ``programs_per_sm`` programs per SM (at most ``cap``); one when the lists alone fill the device.
 
     The count depends on the batch shape only, never on the data, so a fixed shape always cuts a
-    list at the same positions (bitwise determinism for a fixed batch shape, SPEC section 7).
+    list at the same positions (bitwise determinism for a fixed batch shape, docs/spec.md section 7).
     """
     facts = device_facts(str(device))
     target = programs_per_sm * facts["sm_count"]

@@ -1,4 +1,4 @@
-"""``qsa verify``: replay one step of a QSA layer under the determinism contract (SPEC section 7).
+"""``qsa verify``: replay one step of a QSA layer under the determinism contract (docs/spec.md section 7).
 
 A step's inputs are captured from the tiny model served by :class:`qsa.serving.Engine` (a mixed step:
 one request's prefill chunk next to another's first chunk, so both the grouped and the single-row

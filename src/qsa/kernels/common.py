@@ -219,7 +219,7 @@ def store_output(
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
 ):
-    """Normalise, apply v_scale and the gate (SPEC section 1), store out and the natural-log LSE."""
+    """Normalise, apply v_scale and the gate (docs/spec.md section 1), store out and the natural-log LSE."""
     m_any = b_l > 0
     b_inv = tl.where(m_any, v_scale / tl.where(m_any, b_l, 1.0), 0.0)
     b_o = (b_acc * b_inv[:, None]).to(out_ptr.dtype.element_ty)

@@ -27,7 +27,7 @@ def _row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs):
 
 @triton.jit
 def _logically_kept(b_t, pos, seq_len, max_blocks, BLOCK_SIZE: tl.constexpr):
-    """SPEC section 4 checks that do not need the block table: 0 <= t < seq_len, t <= pos, t's block
+    """docs/spec.md section 4 checks that do not need the block table: 0 <= t < seq_len, t <= pos, t's block
     inside the table."""
     return (b_t >= 0) & (b_t < seq_len) & (b_t <= pos) & (b_t // BLOCK_SIZE < max_blocks)
 
@@ -35,7 +35,7 @@ def _logically_kept(b_t, pos, seq_len, max_blocks, BLOCK_SIZE: tl.constexpr):
 @triton.jit
 def _kept_keys(p_idx, o_w, W, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req, max_blocks, num_blocks,
                BLOCK_SIZE: tl.constexpr):
-    """(token ``t`` where it is kept (SPEC section 4), INT32_MAX where it is dropped; its block)."""
+    """(token ``t`` where it is kept (docs/spec.md section 4), INT32_MAX where it is dropped; its block)."""
     b_t = tl.load(p_idx + o_w, mask=(o_w < W) & row_ok, other=-1)
     b_lb = b_t // BLOCK_SIZE
     m_keep = _logically_kept(b_t, pos, seq_len, max_blocks, BLOCK_SIZE)

@@ -124,7 +124,7 @@ def xqa_attention_kernel(
 
 @triton.jit
 def _table_safe(b_t, pos, row_ok, max_blocks, BLOCK_SIZE: tl.constexpr):
-    """The checks of SPEC section 4 that need neither ``seq_len`` nor the table: a valid row, 0 <= t <=
+    """The checks of docs/spec.md section 4 that need neither ``seq_len`` nor the table: a valid row, 0 <= t <=
     pos, t's block inside the table. Only ``t < seq_len`` is left, whose load waits on the request's: so
     the table entries of these tokens are loaded without waiting for it (they lie inside the table's row
     whatever they hold), and the tokens past ``seq_len`` are dropped before any K/V is read."""
