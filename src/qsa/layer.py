@@ -306,7 +306,7 @@ class QSAAttention(nn.Module):
         config: sizes (defaults: the reference configuration).
         tp: tensor-parallel position (default: TP1).
         seed: weight seed.
-        device: where the weights live.
+        device: where the weights live (None: torch's current default device, as for torch's factories).
 
     Example:
         >>> layer = QSAAttention(QSAConfig(hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -316,8 +316,9 @@ class QSAAttention(nn.Module):
     """
 
     def __init__(self, config: QSAConfig = QSAConfig(), *, tp: TPInfo | None = None, seed: int = 0,
-                 device="cpu"):
+                 device=None):
         super().__init__()
+        device = torch.get_default_device() if device is None else torch.device(device)
         self.config = c = config
         self.tp = tp or TPInfo()
         self.shard: HeadShard = shard_heads(c.num_heads, c.num_kv_heads, self.tp)

@@ -92,11 +92,12 @@ class TinyQSAModel(nn.Module):
     Args:
         config: sizes and seed.
         tp: tensor-parallel position (attention heads are sharded, the rest replicated).
-        device: where the weights live.
+        device: where the weights live (None: torch's current default device, as for torch's factories).
     """
 
-    def __init__(self, config: TinyConfig = TinyConfig(), *, tp: TPInfo | None = None, device="cpu"):
+    def __init__(self, config: TinyConfig = TinyConfig(), *, tp: TPInfo | None = None, device=None):
         super().__init__()
+        device = torch.get_default_device() if device is None else torch.device(device)
         self.config = c = config
         dtype, H = c.attn.dtype, c.hidden_size
         gen = torch.Generator().manual_seed(c.seed)
