@@ -76,11 +76,10 @@ class PlanInputs:
 def check_forward_only(q, gate=None, k_cache=None, v_cache=None) -> None:
     """qsa has no backward: refuse tensors that require grad while grad mode is on (the output would be
     silently detached)."""
-    if not (q.requires_grad or (gate is not None and gate.requires_grad)
-            or (k_cache is not None and k_cache.requires_grad) or (v_cache is not None and v_cache.requires_grad)):
+    if not torch.is_grad_enabled():
         return
     for name, t in (("q", q), ("gate", gate), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t is not None and t.requires_grad and torch.is_grad_enabled():
+        if t is not None and t.requires_grad:
             raise ValueError(
                 f"{name} requires grad, but qsa attention is forward-only (it has no backward, its output "
                 f"would be detached from the graph): call it under torch.no_grad() or "
