@@ -1,4 +1,4 @@
-"""A/B of two versions of the library on the same workloads, the way the perf notes measure a change.
+"""A/B of two versions of the library on the same workloads, the way docs/performance.md judges a change.
 
 Processes alternate (old, new, old, new, ...): each builds every (scenario, route) workload, checks the
 step's output against the fp32 reference (``breakdown.checked_step_fn``: a step that fails stops the

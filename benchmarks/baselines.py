@@ -4,6 +4,8 @@
   through the block table, matmul, softmax, matmul; rows in chunks so the gathered K/V stays bounded.
 * :func:`reference_attention_fp32` -- the same computation in fp32 (TF32 off): the correctness gate
   for sizes where the loop references of ``qsa.reference`` would take minutes.
+* :func:`torch_select_baseline` -- the selection stage in plain PyTorch (dense gather, matmul, ``torch.topk``),
+  the pipeline ``select_tokens`` is measured against.
 * :func:`exact_selection` -- the exact top-k of the selection stage from fp64 scores (exact for the
   dyadic synthetic keys of :func:`benchmarks.generators.synthetic_index_keys`), ties by lower block.
 """
@@ -13,6 +15,9 @@ from __future__ import annotations
 import contextlib
 
 import torch
+
+from qsa.selection.reference import GROUP
+from qsa.utils import INT32_MAX, check_int
 
 from .generators import INDEX_HEADS, expand_blocks, kept_tokens
 
@@ -225,3 +230,58 @@ def selection_check(out: torch.Tensor, exact: torch.Tensor, scores_of, token_to_
             ok = ok and torch.equal(picks[0], picks[1]) and torch.equal(out[sel, 4 * k:], exact[sel, 4 * k:])
     res["tie_equivalent"] = ok
     return res
+
+
+def torch_select_baseline(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, *,
+                          k: int = 512):
+    """The plain PyTorch pipeline the kernels are measured against: gather the compressed keys
+    densely, one fp32 matmul per request, relu, head sum, ``torch.topk``, ``sort``, expansion.
+
+    Same output layout as :func:`select_tokens`; equal to it except where ``torch.topk`` breaks ties
+    differently (its tie order is unspecified) or NaN scores occur. Synchronises with the host (one
+    matmul per request present). Needs ``1 <= k <= n_cols = max_blocks * (block_size // 4)``.
+    """
+    rows, H, D = index_q.shape
+    num_reqs, max_blocks = block_table.shape
+    num_blocks, rpb = kc_cache.shape[:2]
+    n = max_blocks * rpb
+    dev = index_q.device
+    k = check_int("k", k, 1)
+    if k > n:
+        raise ValueError(f"k must be <= n_cols = max_blocks * (block_size // 4) = {n} (torch.topk), got {k}")
+    if num_reqs == 0:  # every row is a padding row
+        return torch.full((rows, 4 * k + 3), -1, dtype=torch.int32, device=dev)
+    pages = block_table.long()
+    page_ok = (pages >= 0) & (pages < num_blocks)
+    if num_blocks == 0:  # no valid page, no candidate: only the causal tails remain
+        kc_dense = torch.zeros(num_reqs, n, D, dtype=kc_cache.dtype, device=dev)
+    else:
+        kc_dense = kc_cache[pages.clamp(0, num_blocks - 1)].reshape(num_reqs, n, D)
+    block_ok = page_ok.repeat_interleave(rpb, dim=1)                              # [num_reqs, n]
+    req = token_to_req.long()
+    pos = positions.long().clamp(max=INT32_MAX)  # past it, the same tokens; no overflow of pos + 1
+    row_ok = (req >= 0) & (req < num_reqs) & (pos >= 0)
+    req_c = torch.where(row_ok, req, 0)
+    vis = torch.minimum((pos + 1) // GROUP, seq_lens.long()[req_c] // GROUP)
+    vis = torch.where(row_ok, vis.clamp(0, n), 0)
+    scores = torch.empty(rows, n, dtype=torch.float32, device=dev)
+    for r_req in torch.unique(req_c).tolist():
+        sel = (req_c == r_req).nonzero().squeeze(1)
+        s = torch.matmul(index_q[sel].float().reshape(-1, D), kc_dense[r_req].float().T)
+        scores[sel] = s.reshape(-1, H, n).relu().sum(1) * (D ** -0.5)
+    cand = (torch.arange(n, device=dev)[None, :] < vis[:, None]) & block_ok[req_c]
+    scores = scores.masked_fill(~cand, float("-inf"))
+    top = torch.topk(scores, k, dim=1)
+    blocks = torch.where(top.values > float("-inf"), top.indices, n + 1)
+    blocks = torch.sort(blocks, dim=1).values
+    kept = blocks <= n
+    n_kept = kept.sum(1)
+    toks = (4 * blocks[:, :, None] + torch.arange(4, device=dev)).reshape(rows, 4 * k)
+    j = torch.arange(4 * k + 3, device=dev)[None, :]
+    tail_start = ((pos + 1) // GROUP) * GROUP
+    tail = tail_start[:, None] + (j - 4 * n_kept[:, None])
+    out = torch.where(j < 4 * n_kept[:, None],
+                      torch.nn.functional.pad(toks, (0, 3)), torch.where(tail <= pos[:, None], tail, -1))
+    seq_row = torch.where(row_ok, seq_lens.long()[req_c], 0)
+    out = torch.where((out >= 0) & (out < seq_row[:, None]) & row_ok[:, None], out, -1)
+    return out.to(torch.int32)

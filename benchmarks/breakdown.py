@@ -50,7 +50,7 @@ def plan_args(scn, w, route: str) -> tuple[tuple, dict]:
 
 def step_fn(scn, w, route: str):
     """plan + run of ``route`` into fixed buffers, as the benchmark times it."""
-    from qsa.plan import PlanWorkspace
+    from qsa.attention.planning.plan import PlanWorkspace
 
     c = w.cache
     plan_in, plan_kw = plan_args(scn, w, route)

@@ -21,6 +21,9 @@ the products probe of :mod:`benchmarks.floors` (the kernel's loads and products,
 dense variant is checked against an fp32 reference under the benchmark's gate before it is timed; one
 that fails is recorded without a time.
 
+The tables go to stdout; with ``--out DIR`` also to ``DIR/dense-floor-<device>.json`` and ``.md`` (a later run
+into the same directory replaces them).
+
     python -m benchmarks.dense_floor prefill-64k-o98 prefill-64k-o80 --out /tmp/dense
 """
 
@@ -36,11 +39,12 @@ import torch
 import triton
 import triton.language as tl
 
-from qsa.kernels.common import attend_tile, load_kv_microblocks
+from qsa.attention.kernels import attend_tile, load_kv_microblocks
 
 from .breakdown import check_output
 from .floors import GroupedProbe, is_prefill, time_grouped_parts
 from .registry import SCENARIOS
+from .report import slug
 from .timing import Timer, TimingConfig, measure_ceilings
 
 LOG2E = 1.4426950408889634
@@ -376,7 +380,9 @@ def markdown(report: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.dense_floor", description=__doc__.split("\n")[0])
     p.add_argument("scenarios", nargs="+")
-    p.add_argument("--out", type=Path, default=None, help="directory for dense-floor-<date and time>-<device>.json and .md")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for dense-floor-<device>.json and .md (a later run with the same --out "
+                        "replaces them)")
     p.add_argument("--quick", action="store_true", help="the kernel's tile setting only")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = p.parse_args(argv)
@@ -400,7 +406,7 @@ def main(argv=None) -> int:
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = f"dense-floor-{time.strftime('%Y-%m-%d-%H%M%S', time.gmtime())}-{name.lower().replace(' ', '-')}"
+        stem = f"dense-floor-{slug(name)}"
         (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1))
         (args.out / f"{stem}.md").write_text(text)
     return 0

@@ -9,7 +9,7 @@ For each named scenario, in one process:
 * ``gather`` probes: a kernel that reads exactly the K/V head rows the xqa route reads (each row's kept
   tokens, 4-token runs scattered over the shuffled pages), with the direct kernel's shape of work: one
   program per (row, KV head, split), ``BLOCK_N`` tokens per tile, the split's entries read before the
-  loop, the K/V loads pipelined as asynchronous copies; splits from ``routes.direct_split_count`` or
+  loop, the K/V loads pipelined as asynchronous copies; splits from ``qsa.attention.xqa.launch.direct_split_count`` or
   given. It feeds the tiles to two products with all-ones operands and sums the results, so it is the
   time of the loads alone. Variants: ``flat`` (each entry's head row precomputed: one load before the
   loop), ``table`` (the tokens, then their block-table entries, as the direct kernel resolves them;
@@ -29,6 +29,9 @@ all-ones operands, which is the kernel without its softmax; ``small`` does the s
 (mma.sync). Each setting is first checked per program, exactly, on a cache of small integers with NaN in
 every slot the plan does not load (:class:`GroupedProbe`).
 
+The tables go to stdout; with ``--out DIR`` also to ``DIR/floors-<device>.json`` and ``.md`` (a later run
+into the same directory replaces them).
+
     python -m benchmarks.floors decode-64 mtp-8 mtp-16 --out /tmp/floors
     python -m benchmarks.floors prefill-64k-o80 prefill-64k-o98 --out /tmp/floors
 """
@@ -46,13 +49,16 @@ import torch
 import triton
 import triton.language as tl
 
-from qsa import routes
-from qsa.kernels.common import load_kv_microblocks, split_range
+import qsa
+import qsa.attention.grouped.launch
+import qsa.attention.xqa.launch
+from qsa.attention.kernels import load_kv_microblocks, split_range
 
 from .baselines import reference_attention_fp32
 from .breakdown import check_output, checked_step_fn, plan_args
 from .generators import attention_workload, kept_entries
 from .registry import SCENARIOS
+from .report import slug
 from .run import step_bytes
 from .timing import Timer, TimingConfig, measure_ceilings
 
@@ -232,10 +238,10 @@ class Probe:
     def default_splits(self, block_n: int) -> int:
         """The direct kernel's split count for this workload (its programs per SM), at ``block_n``."""
         scn = self.scn
-        cfg = routes.xqa_direct_config(scn.num_q_heads // scn.num_kv_heads, scn.head_dim, self.lists,
+        cfg = qsa.attention.xqa.launch.xqa_direct_config(scn.num_q_heads // scn.num_kv_heads, scn.head_dim, self.lists,
                                        kv_fp8=scn.kv_cache_dtype == "fp8_e4m3")
         tiles = triton.cdiv(self.w.indices.shape[1], block_n)
-        return routes.direct_split_count(self.lists, tiles, cfg.programs_per_sm, self.k.device)
+        return qsa.attention.xqa.launch.direct_split_count(self.lists, tiles, cfg.programs_per_sm, self.k.device)
 
     def fn(self, variant: str, splits: int, block_n: int, num_warps: int, stages: int):
         w, scn = self.w, self.scn
@@ -465,7 +471,7 @@ GROUPED_TARGETS = {0.98: 5.0}
 
 def grouped_probe_grid(quick: bool):
     """(block_m, mb, num_warps, stages) of the grouped probe: the attention kernel's products and tiles
-    first (``routes.grouped_config`` for 6/1: 64 rows, 8 microblocks, 4 warps, 3 stages)."""
+    first (``qsa.attention.grouped.launch.grouped_config`` for 6/1: 64 rows, 8 microblocks, 4 warps, 3 stages)."""
     if quick:
         return [(64, 8, 4, 3), (16, 8, 4, 3)]
     return [(64, 8, 4, 3), (64, 8, 4, 2), (64, 4, 4, 3), (64, 16, 4, 2), (16, 8, 4, 3), (16, 8, 4, 4)]
@@ -475,7 +481,7 @@ def time_grouped_parts(scn, w, probe, ref, timer: Timer) -> dict:
     """The grouped step's planner alone and its attention kernel alone (plan made once), after one plan +
     run checked against ``ref`` on a NaN-filled output: ``{"planner_ms", "attention_ms"}``."""
     from qsa import plan_attention, run_attention
-    from qsa.plan import PlanWorkspace
+    from qsa.attention.planning.plan import PlanWorkspace
 
     plan = probe.plan
     ws = PlanWorkspace.for_plan(w.block_table, block_size=w.cache.block_size, num_groups=plan.grouped.num_groups)
@@ -581,7 +587,9 @@ def markdown(report: dict) -> str:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.floors", description=__doc__.split("\n")[0])
     p.add_argument("scenarios", nargs="+")
-    p.add_argument("--out", type=Path, default=None, help="directory for floors-<date>-<device>.json and .md")
+    p.add_argument("--out", type=Path, default=None,
+                   help="directory for floors-<device>.json and .md (-<flush>-flush added for --flush read); "
+                        "a later run with the same --out replaces them")
     p.add_argument("--quick", action="store_true", help="one probe setting per variant, default splits")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--flush", choices=Timer.FLUSHES, default="write",
@@ -608,7 +616,7 @@ def main(argv=None) -> int:
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        stem = f"floors-{time.strftime('%Y-%m-%d-%H%M', time.gmtime())}-{name.lower().replace(' ', '-')}"
+        stem = f"floors-{slug(name)}"
         if args.flush != "write":
             stem += f"-{args.flush}-flush"
         (args.out / f"{stem}.json").write_text(json.dumps(report, indent=1))

@@ -10,6 +10,7 @@ Definitions (also in ``benchmarks/README.md``):
 """
 
 from __future__ import annotations
+import qsa.cache.paged
 
 from dataclasses import dataclass
 
@@ -31,7 +32,7 @@ class Workload:
     """One attention problem on the device, ready for ``qsa.sparse_paged_attention``.
 
     Attributes:
-        q: ``[rows, Hq, D]``; cache: :class:`qsa.cache.PagedKVCache` (block 0 unused, filled with NaN).
+        q: ``[rows, Hq, D]``; cache: :class:`qsa.cache.paged.PagedKVCache` (block 0 unused, filled with NaN).
         indices: ``[rows, 4k + 3]`` int32; block_table: ``[num_reqs, max_blocks]`` int32 (shuffled pages);
         token_to_req: ``[rows]`` int32; positions: ``[rows]`` int64; seq_lens: ``[num_reqs]`` int32.
         stats: see :func:`selection_stats`.
@@ -87,9 +88,9 @@ def shuffled_block_table(num_reqs: int, context: int, block_size: int, generator
 
 def fill_kv_cache(num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, *, dtype: torch.dtype,
                   kv_cache_dtype: str, device, seed: int):
-    """An interleaved :class:`qsa.cache.PagedKVCache` of N(0, 1) data (E4M3 of N(0, 1) / scale for FP8);
+    """An interleaved :class:`qsa.cache.paged.PagedKVCache` of N(0, 1) data (E4M3 of N(0, 1) / scale for FP8);
     block 0 holds NaN (0x7F bytes for FP8)."""
-    from qsa.cache import allocate_kv_cache, quantize_e4m3
+    from qsa.cache.paged import allocate_kv_cache, quantize_e4m3
 
     fp8 = kv_cache_dtype == "fp8_e4m3"
     scale = FP8_SCALE if fp8 else 1.0
@@ -380,7 +381,7 @@ def attention_workload(scn: Scenario, device) -> Workload:
         blocks = walk_blocks(req_np, pos_np, seq_np, topk=scn.topk, overlap=overlap, seed=scn.seed + 2)
         indices = expand_blocks(torch.from_numpy(blocks).to(device), pos, lens.long()[t2r.long()])
     elif scn.selection == "indexer":
-        from qsa.indexer import select_tokens
+        from qsa.selection.api import select_tokens
 
         index_q, kc = synthetic_index_keys(scn, num_blocks, device=device, dyadic=False, drift=scn.drift)
         indices = select_tokens(index_q, kc, table, t2r, pos, lens, block_size=scn.block_size, k=scn.topk)

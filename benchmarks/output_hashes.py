@@ -66,7 +66,7 @@ def attention_hashes(scn: registry.Scenario, device: str) -> dict:
 
 
 def selection_hashes(scn: registry.Scenario, device: str) -> dict:
-    from qsa.indexer import select_tokens
+    from qsa.selection.api import select_tokens
 
     from .generators import selection_workload
 

@@ -20,7 +20,7 @@ BASELINES = ("naive",)
 COMPONENTS = ("planner",)
 """Timed parts of a route (no output of their own): the grouped planner alone."""
 SELECTION_ROUTES = ("select", "torch-select")
-"""``qsa.select_tokens`` and its PyTorch baseline ``qsa.indexer.torch_select_baseline``."""
+"""``qsa.select_tokens`` and its PyTorch baseline ``benchmarks.baselines.torch_select_baseline``."""
 
 
 @dataclass(frozen=True)

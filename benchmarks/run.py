@@ -5,8 +5,9 @@ PyTorch yardstick, then for each route: run it once eagerly (compiles its kernel
 only if the check passes time it (CUDA-graph replays, L2 flushed before each; ``do_bench`` for code
 that cannot be captured). The ceilings (copy bandwidth, fp16 matmul rate) are measured first.
 
-Writes ``<out>/latest.json`` after every scenario (so a run cut short keeps what it measured), a dated
-copy ``<out>/<date>-<device>.json`` at the end, ``<docs>/benchmarks.md`` and ``<docs>/benchmarks.png``.
+Writes ``<out>/latest.json`` after every scenario (so a run cut short keeps what it measured), then
+``<docs>/benchmarks.md`` and ``<docs>/benchmarks.png``. Each run replaces them: earlier runs are in git's
+history of ``benchmarks/results/latest.json``, not in dated copies.
 
 Run from the checkout root: ``qsa bench [--quick] [--scenario GLOB ...]`` or
 ``PYTHONPATH=src python -m benchmarks.run ...``. ``--help`` lists the options, ``--list`` the scenarios.
@@ -18,7 +19,6 @@ import argparse
 import datetime as _dt
 import math
 import os
-import re
 import sys
 import time
 import traceback
@@ -28,7 +28,7 @@ from pathlib import Path
 from . import registry
 from .registry import Scenario
 from .report import (RESULT_COLUMNS, SCENARIO_COLUMNS, TARGET_COLUMNS, _passed_ms, _record, build_report, cpu_text,
-                     device_info, is_cpu, result_rows, sanitize, scenario_rows, slug, target_rows, text_table,
+                     device_info, is_cpu, result_rows, sanitize, scenario_rows, target_rows, text_table,
                      write_json, write_markdown, write_plot)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -367,7 +367,7 @@ class Suite:
         allocates its own scratch on every call, which graph capture also accepts)."""
         if plan.grouped is None:
             return None
-        from qsa.plan import PlanWorkspace
+        from qsa.attention.planning.plan import PlanWorkspace
 
         return PlanWorkspace.for_plan(plan.inputs[1], block_size=plan.block_size, num_groups=plan.grouped.num_groups)
 
@@ -385,7 +385,7 @@ class Suite:
         """The grouped planner alone (grouped unions, plus single-row plans of rows left over), into
         the grouped route's buffers. Reported only when the grouped route passed its check (or was not
         run)."""
-        from qsa.plan import plan_groups, plan_single_rows
+        from qsa.attention.planning.plan import plan_groups, plan_single_rows
 
         grouped = _record(self.records, scn.name, "grouped")
         if grouped is not None and not grouped.get("passed"):
@@ -444,9 +444,9 @@ class Suite:
     # -- selection -------------------------------------------------------------------------------
 
     def _run_selection(self, scn: Scenario, meta: dict):
-        from qsa.indexer import select_tokens, torch_select_baseline
+        from qsa.selection.api import select_tokens
 
-        from .baselines import exact_selection, selection_check
+        from .baselines import exact_selection, selection_check, torch_select_baseline
         from .generators import INDEX_DIM, INDEX_HEADS, selection_workload
 
         torch = self.torch
@@ -524,7 +524,7 @@ def parse_args(argv):
                    help="the key targets only (prefill-64k o80/o98, decode-64, mtp-8, selection), "
                         "fewer routes and repetitions")
     p.add_argument("--out", type=Path, default=None,
-                   help="directory of latest.json and the dated copies (default: benchmarks/results on a "
+                   help="directory of latest.json, replaced by each run (default: benchmarks/results on a "
                         "GPU; on the CPU a new temporary directory, so that the GPU results stay)")
     p.add_argument("--docs", type=Path, default=None,
                    help="directory of benchmarks.md and benchmarks.png (default: docs on a GPU; on the CPU "
@@ -642,9 +642,6 @@ def main(argv=None) -> int:
     progress.close()
 
     report = save(complete=True)
-    stamp = started.strftime("%Y-%m-%d-%H%M")
-    dated = out_dir / f"{stamp}-{slug(report['device'])}.json"
-    write_json(dated, report)
     if is_cpu(report):  # what the interpreter run measured; the GPU's rates, floors and targets left out
         print("\n" + cpu_text(report))
     else:
@@ -661,10 +658,8 @@ def main(argv=None) -> int:
                 print(note, file=sys.stderr)
             else:
                 plot = png
-        # The dated copies of full runs (not latest.json, tune or TP-step files)
-        history = sorted(p for p in out_dir.glob("*.json") if re.match(r"\d{4}-\d{2}-\d{2}-\d{4}-", p.name))
-        write_markdown(report, docs / "benchmarks.md", plot=plot, history=history)
-    print(f"\nwrote {latest} and {dated}" + ("" if args.no_docs else f", {Path(args.docs) / 'benchmarks.md'}"))
+        write_markdown(report, docs / "benchmarks.md", plot=plot)
+    print(f"\nwrote {latest}" + ("" if args.no_docs else f" and {Path(args.docs) / 'benchmarks.md'}"))
     bad = failures(report)
     if bad:
         print(f"qsa bench: {len(bad)} failed or errored: {', '.join(bad[:8])}{' ...' if len(bad) > 8 else ''}",

@@ -9,7 +9,9 @@ shard, fills a paged context for ``--requests`` requests of ``--context`` tokens
 
 with CUDA events (median of ``--reps``; the all-reduce included). Rank 0 reports.
 
-Run from the checkout root: ``PYTHONPATH=src python -m benchmarks.tp_step [--tp 1 2] [--context 8192]``.
+Run from the checkout root: ``PYTHONPATH=src python -m benchmarks.tp_step [--tp 1 2] [--context 8192]``;
+``--json benchmarks/results/tp-step-latest-nvidia-h200.json`` replaces the kept result (the one before it is
+in git history).
 """
 
 from __future__ import annotations
@@ -54,10 +56,10 @@ def _profile(fn) -> None:
 
 
 def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
-    from qsa.cache import BlockAllocator
-    from qsa.layer import QSAAttention, QSAConfig, StepMetadata
-    from qsa.serving import prefill_schedule
-    from qsa.tp import TPInfo, destroy, init_local_group
+    from qsa.cache.paged import BlockAllocator
+    from qsa.model.layer import QSAAttention, QSAConfig, StepMetadata
+    from qsa.model.serving import prefill_schedule
+    from qsa.model.tp import destroy, init_local_group, TPInfo
 
     faulthandler.dump_traceback_later(args.watchdog, exit=True)  # a hung rank prints where it is
     t0 = time.time()
@@ -146,12 +148,14 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="print the kernels of one eager decode step (rank 0)")
     p.add_argument("--watchdog", type=float, default=240, help="seconds before a rank dumps its stack and exits")
-    p.add_argument("--json", default=None, help="also write the rows (with device and settings) to this file")
+    p.add_argument("--json", default=None,
+                   help="also write the rows (with device and settings) to this file; the repository keeps the "
+                        "latest as benchmarks/results/tp-step-latest-<device>.json, earlier ones in git history")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks.tp_step needs CUDA GPUs", file=sys.stderr)
         return 2
-    from qsa.tp import free_port
+    from qsa.model.tp import free_port
 
     rows = []
     for world in args.tp:

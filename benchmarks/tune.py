@@ -1,7 +1,9 @@
 """Launch-setting sweep for the page4 routes on the GPU: which tile shapes, warps and stages to ship.
 
 Every setting is checked against the fp32 reference before it is timed (as in ``qsa bench``); the
-planner is timed apart from the attention kernels. Results go to ``--out`` as JSON plus a table.
+planner is timed apart from the attention kernels. Results go to ``--out`` as ``tune.json`` (replaced by
+the next run into that directory) plus a table on stdout. The repository keeps the latest sweep as
+``benchmarks/results/tune-latest-<device>.json`` (copy ``tune.json`` over it); earlier ones are in git history.
 
     python -m benchmarks.tune --out /tmp/tune          # all workloads
     python -m benchmarks.tune --only prefill           # a subset (substring of the workload name)
@@ -19,9 +21,18 @@ import time
 
 import torch
 
-from qsa import attention, plan_attention, routes, run_attention
-from qsa.plan import PlannerConfig, PlanWorkspace, plan_groups, plan_single_rows
-from qsa.reference import assert_close_like_torch, compare_plans
+import qsa
+import qsa.attention.grouped.launch
+import qsa.attention.launch
+import qsa.attention.planning.plan
+import qsa.attention.splitk.launch
+import qsa.attention.xqa.launch
+import qsa.settings
+from qsa import plan_attention, run_attention
+from qsa.attention.planning.plan import plan_groups, plan_single_rows, PlanWorkspace
+from qsa.settings import PlannerConfig
+from qsa.attention.planning.reference import compare_plans
+from qsa.attention.reference import assert_close_like_torch
 
 from .baselines import chunked_attention, full_fp32_matmul
 from .generators import attention_workload
@@ -35,45 +46,44 @@ GROUPED = [  # rows_per_prog (at most), max tile rows, mb, num_warps, num_stages
     (8, 128, 8, 8, 3, 2, True, False), (8, 128, 8, 8, 3, 2, True, True), (8, 128, 8, 8, 2, 2, True, True),
     (8, 64, 8, 4, 3, 2, True, False), (8, 64, 8, 4, 3, 2, True, True), (8, 64, 8, 4, 3, 2, False, True),
 ]
-PLANNER = [  # grouped planner: quads per row step, scan step, num_warps, programs_per_sm, layout, flagged
+PLANNER = [  # grouped planner: quads per row step, scan step, num_warps, programs_per_sm, flagged
     # sectors only, table checked in the scan, map in shared memory, its emission step, register cap
-    # (qsa.plan.PlannerConfig)
-    *((q, s, w, p, "nibbles", True, True)
+    # (qsa.settings.PlannerConfig)
+    *((q, s, w, p, True, True)
       for q, s, w, p in ((32, 2048, 4, 5), (32, 1024, 4, 5), (32, 2048, 4, 8), (64, 2048, 4, 5), (32, 4096, 4, 5),
                          (32, 2048, 8, 4), (64, 4096, 8, 4))),
-    *((q, s, w, p, "nibbles", False, False) for q, s, w, p in ((32, 1024, 4, 8), (64, 4096, 8, 4))),
-    (32, 1024, 4, 8, "rows", False, False),
-    *((q, s, w, p, "nibbles", False, True, True, e)  # the map in shared memory (grouped_plan_map_kernel)
+    *((q, s, w, p, False, False) for q, s, w, p in ((32, 1024, 4, 8), (64, 4096, 8, 4))),
+    *((q, s, w, p, False, True, True, e)  # the map in shared memory (grouped_plan_map_kernel)
       for q, s, w, p, e in ((16, 2048, 4, 4, 128), (16, 2048, 4, 4, 256), (32, 2048, 4, 4, 128),
                             (32, 2048, 4, 3, 256), (32, 1024, 4, 4, 128), (64, 2048, 8, 2, 256))),
-    *((q, s, w, p, "nibbles", False, True, True, e, r)  # with a register cap (maxnreg)
+    *((q, s, w, p, False, True, True, e, r)  # with a register cap (maxnreg)
       for q, s, w, p, e, r in ((32, 2048, 4, 4, 128, 128), (32, 1024, 4, 4, 128, 128), (32, 2048, 4, 4, 64, 128),
                                (64, 2048, 4, 3, 128, 168), (32, 4096, 4, 4, 128, 128), (32, 4096, 4, 4, 256, 128),
                                (32, 2048, 4, 4, 256, 128))),
 ]
 ROW_PLANNER = [  # single-row planner: indices per step, warps, scan-free steps (None: the defaults of
-    # qsa.plan.row_plan_chunk and row_plan_ascending_steps)
+    # qsa.attention.planning.plan.row_plan_chunk and row_plan_ascending_steps)
     (None, None, None), (512, 4, False), (1024, 4, False), (1024, 8, False), (512, 4, True), (1024, 4, True),
     (1024, 8, True), (2048, 8, True), (4096, 8, None),
 ]
 DIRECT_SPLITS = (17, 33, 48, 65)
-"""Split counts tried for the direct xqa kernel besides routes.direct_split_count's, on workloads of at most
+"""Split counts tried for the direct xqa kernel besides qsa.attention.xqa.launch.direct_split_count's, on workloads of at most
 16 rows (a 2051-wide row is 65 tiles of 32 tokens)."""
 DIRECT_SPLITS_WIDE = (2, 3, 4, 5, 6)
 """... and on wider ones (decode-64: 4 splits fit one wave of two programs per SM on 132 SMs, 5 do not)."""
 MERGE = [(256, 4), (256, 8), (128, 4), (64, 2)]
-"""Split-merge settings (columns per program, warps; routes.merge_config) tried on the direct route's total."""
+"""Split-merge settings (columns per program, warps; qsa.attention.launch.merge_config) tried on the direct route's total."""
 SPLIT = [  # tile_tokens, num_warps, num_stages, programs_per_sm, prefetch (the planned xqa kernel, with the
-    # scores' form of routes.xqa_config; the direct xqa kernel sweeps them too on workloads of at most
-    # routes.DIRECT_MAX_ROWS rows)
+    # scores' form of qsa.attention.xqa.launch.xqa_config; the direct xqa kernel sweeps them too on workloads of at most
+    # qsa.settings.DIRECT_MAX_ROWS rows)
     (64, 4, 2, 1, False), (64, 4, 2, 3, False), (64, 4, 3, 1, False), (64, 4, 3, 1, True), (32, 4, 4, 1, True),
     (32, 4, 3, 2, True), (32, 4, 4, 2, True), (64, 8, 3, 1, True), (32, 8, 4, 1, True), (16, 4, 4, 2, True),
     (32, 4, 3, 2, False),
 ]
 SPLITK = [(64, 4, 2), (64, 4, 3), (32, 4, 2), (32, 4, 3), (32, 4, 4), (64, 8, 2), (64, 8, 3)]
-"""splitk settings (tile_tokens, num_warps, num_stages), with the scores' form of routes.splitk_config."""
+"""splitk settings (tile_tokens, num_warps, num_stages), with the scores' form of qsa.attention.splitk.launch.splitk_config."""
 DIRECT_RESOLVED = [  # the direct kernel with each split's entries read before its loop (SplitConfig's sixth
-    # field, resolve_split; routes.direct_resolves still decides where): the shipped settings and their
+    # field, resolve_split; qsa.attention.xqa.launch.direct_resolves still decides where): the shipped settings and their
     # neighbours; the eighth field, defer_check, checks each split's positions after its loop (the shipped
     # setting for at most 16 lists, with the 168-register cap); the ninth, qk_halves, takes the scores over
     # the head's column halves (shipped at head_dim 256)
@@ -120,7 +130,7 @@ def main(argv=None) -> int:
     grouped_settings = (GROUPED[0], GROUPED[3]) if args.smoke else GROUPED
     split_settings = (SPLIT[0], SPLIT[3]) if args.smoke else SPLIT
     splitk_settings = (SPLITK[0], SPLITK[2]) if args.smoke else SPLITK
-    planner_settings = ((PLANNER[0], next(s for s in PLANNER if s[4] == "rows"), PLANNER[-1]) if args.smoke
+    planner_settings = ((PLANNER[0], next(s for s in PLANNER if not s[4]), PLANNER[-1]) if args.smoke
                         else PLANNER)
     row_planner_settings = (ROW_PLANNER[0], (16, 4, True)) if args.smoke else ROW_PLANNER
     direct_splits = (3,) if args.smoke else DIRECT_SPLITS
@@ -232,11 +242,11 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
             while rp > 1 and rp * G > tile_rows:
                 rp //= 2
             bm = max(16, 1 << (rp * G - 1).bit_length())
-            cfg = routes.GroupedConfig(rows_per_prog=rp, block_m=bm, mb=mb, num_warps=nw, num_stages=ns,
+            cfg = qsa.settings.GroupedConfig(rows_per_prog=rp, block_m=bm, mb=mb, num_warps=nw, num_stages=ns,
                                        programs_per_sm=pps, prefetch=pf, lazy_rescale=lazy)
 
             def run_grouped(cfg=cfg):
-                attention.grouped_attention(q, c.k, c.v, grouped, config=cfg, **kw)
+                qsa.attention.grouped.launch.grouped_attention(q, c.k, c.v, grouped, config=cfg, **kw)
                 return out
             record(scn.name, "grouped-attn", (rp, bm, mb, nw, ns, pps, pf, lazy), run_grouped, check)
         shape = dict(num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim)
@@ -248,11 +258,11 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
                                  v_scale=c.v_scale, out=out)
         record(scn.name, "grouped-total", "default", total, check)
     for setting in split_settings:
-        cfg = routes.SplitConfig(*setting, qk_halves=routes.xqa_config(G, scn.head_dim).qk_halves)
+        cfg = qsa.settings.SplitConfig(*setting, qk_halves=qsa.attention.xqa.launch.xqa_config(G, scn.head_dim).qk_halves)
 
         def run_xqa(cfg=cfg):
-            # cut as the library cuts the launch (routes.xqa_cut, where the tiles are the direct kernel's size)
-            attention.xqa_attention(q, c.k, c.v, single, row_start=0, config=cfg, index_width=w.indices.shape[1],
+            # cut as the library cuts the launch (qsa.attention.xqa.launch.xqa_cut, where the tiles are the direct kernel's size)
+            qsa.attention.xqa.launch.xqa_attention(q, c.k, c.v, single, row_start=0, config=cfg, index_width=w.indices.shape[1],
                                     **kw)
             return out
         record(scn.name, "xqa-attn", setting, run_xqa, check)
@@ -264,19 +274,19 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
         return run_attention(p, q, c.k, c.v, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
                              v_scale=c.v_scale, out=out)
     record(scn.name, "xqa-total", "default", xqa_total, check)
-    if rows <= routes.DIRECT_MAX_ROWS:
+    if rows <= qsa.settings.DIRECT_MAX_ROWS:
         for setting in (*split_settings, *direct_resolved):  # the direct kernel (+ merge): no plan launch
-            cfg = routes.SplitConfig(*setting)
+            cfg = qsa.settings.SplitConfig(*setting)
 
             def run_direct(cfg=cfg):
-                attention.xqa_direct_attention(q, c.k, c.v, w.indices, w.block_table, w.token_to_req,
+                qsa.attention.xqa.launch.xqa_direct_attention(q, c.k, c.v, w.indices, w.block_table, w.token_to_req,
                                                w.positions, w.seq_lens, row_start=0, config=cfg, **kw)
                 return out
             record(scn.name, "direct-attn", setting, run_direct, check)
-        # other split counts, default settings (resolved where routes.direct_resolves allows)
+        # other split counts, default settings (resolved where qsa.attention.xqa.launch.direct_resolves allows)
         for splits in (direct_splits if rows <= 16 else direct_splits_wide):
             def run_direct_splits(splits=splits):
-                attention.xqa_direct_attention(q, c.k, c.v, w.indices, w.block_table, w.token_to_req,
+                qsa.attention.xqa.launch.xqa_direct_attention(q, c.k, c.v, w.indices, w.block_table, w.token_to_req,
                                                w.positions, w.seq_lens, row_start=0, num_splits=splits, **kw)
                 return out
             record(scn.name, "direct-splits", splits, run_direct_splits, check)
@@ -287,14 +297,14 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
             return run_attention(p, q, c.k, c.v, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
                                  v_scale=c.v_scale, out=out)
         record(scn.name, "direct-total", "default", direct_total, check)
-        default_merge = routes.merge_config
+        default_merge = qsa.attention.launch.merge_config
         try:
             for cols, warps in merge_settings:
-                routes.merge_config = lambda splits, d, xqa_lists=None, cols=cols, warps=warps: (
+                qsa.attention.launch.merge_config = lambda splits, d, xqa_lists=None, cols=cols, warps=warps: (
                     min(cols, d), warps)
                 record(scn.name, "direct-merge", (cols, warps), direct_total, check)
         finally:
-            routes.merge_config = default_merge
+            qsa.attention.launch.merge_config = default_merge
     sweep_splitk(scn, w, inputs, q, kw, splitk_settings, record, check)
 
 
@@ -304,12 +314,12 @@ def sweep_splitk(scn: Scenario, w, inputs: dict, q, kw: dict, settings, record, 
     G = scn.num_q_heads // scn.num_kv_heads
     tokens_plan = plan_attention(**inputs, num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads,
                                  head_dim=scn.head_dim, route="splitk")
-    halves = routes.splitk_config(G, scn.head_dim).qk_halves
+    halves = qsa.attention.splitk.launch.splitk_config(G, scn.head_dim).qk_halves
     for setting in settings:
-        cfg = routes.SplitConfig(*setting, qk_halves=halves)
+        cfg = qsa.settings.SplitConfig(*setting, qk_halves=halves)
 
         def run_splitk(cfg=cfg):
-            attention.splitk_attention(q, c.k, c.v, tokens_plan.tokens, tokens_plan.token_counts,
+            qsa.attention.splitk.launch.splitk_attention(q, c.k, c.v, tokens_plan.tokens, tokens_plan.token_counts,
                                        w.block_table, w.token_to_req, block_size=c.block_size,
                                        config=cfg, **kw)
             return kw["out"]

@@ -1,4 +1,5 @@
-"""Test set-up: the Triton interpreter on CPU-only machines, devices, poisoning helpers."""
+"""Test set-up: the Triton interpreter on CPU-only machines, the GPU marker, the device fixture. Shared
+helpers are in ``helpers.py``."""
 
 import os
 
@@ -10,7 +11,7 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
+from helpers import HAS_CUDA  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -24,10 +25,3 @@ def pytest_collection_modifyitems(config, items):
 def device():
     """The device CPU-sized tests run on: the GPU when there is one, else the CPU (interpreter)."""
     return "cuda" if HAS_CUDA else "cpu"
-
-
-def poisoned(shape, dtype, device):
-    """An output buffer filled with NaN (or -1 for integers) so unwritten elements show."""
-    if dtype.is_floating_point:
-        return torch.full(shape, float("nan"), dtype=dtype, device=device)
-    return torch.full(shape, -1, dtype=dtype, device=device)

@@ -9,7 +9,8 @@ import sys
 import torch
 
 import qsa
-from qsa.reference import make_attention_case
+import qsa.attention.invariant.launch
+from helpers import make_attention_case
 
 
 def negatives_last(indices: torch.Tensor) -> torch.Tensor:
@@ -44,16 +45,16 @@ def main() -> int:
         # SPLITK_FEW_LISTS lists outside the one-wave window, and past SPLITK_FP8_FEW_LISTS over an FP8 cache,
         # on three stages there).
         names = ("SPLITK_FEW_LISTS", "SPLITK_FP8_FEW_LISTS", "SPLITK_SHORT_PER_SM")
-        bounds = {k: getattr(qsa.routes, k) for k in names}
+        bounds = {k: getattr(qsa.settings, k) for k in names}
         for tiles, value in (("long", 0), ("short", 1 << 30)):
             for k in names:
-                setattr(qsa.routes, k, value)
+                setattr(qsa.settings, k, value)
             try:
                 out, lse = case.run(qsa.sparse_paged_attention, route="splitk", return_lse=True)
                 torch.cuda.synchronize()
             finally:
                 for k, v in bounds.items():
-                    setattr(qsa.routes, k, v)
+                    setattr(qsa.settings, k, v)
             ok = bool(torch.isfinite(out).all())
             bad += not ok
             print(f"{kv_cache_dtype:9s} splitk   {tiles} tiles finite={ok}")
@@ -87,7 +88,7 @@ def main() -> int:
             print(f"{kv_cache_dtype:9s} direct   {order} finite={ok}")
     # Real width, 64 rows: the direct kernel's one-wave splits of 1024 (one KV head) and 2048 (two)
     # entries, read before the loop, with wild entries in sorted rows; without the hint, the planned kernel
-    # cut by the width's tiles as the direct kernel is (routes.xqa_cut), short rows among them.
+    # cut by the width's tiles as the direct kernel is (qsa.attention.xqa.launch.xqa_cut), short rows among them.
     for num_kv_heads in (1, 2):
         case = make_attention_case(rows=64, num_reqs=64, num_q_heads=6 * num_kv_heads, num_kv_heads=num_kv_heads,
                                    head_dim=64, width=2051, max_seq_len=2400, padding_rows=2, seed=2, device="cuda")
@@ -114,13 +115,13 @@ def main() -> int:
 def _invariant_folding(case, kv_cache_dtype, what) -> int:
     """The invariant route with one program per row folding its splits (shipped from
     ``INVARIANT_FOLD_LISTS`` lists; forced here): 1 if an output is not finite."""
-    folds = qsa.routes.invariant_folds
-    qsa.routes.invariant_folds = lambda lists: True
+    folds = qsa.attention.invariant.launch.invariant_folds
+    qsa.attention.invariant.launch.invariant_folds = lambda lists: True
     try:
         out, lse = case.run(qsa.sparse_paged_attention, route="invariant", return_lse=True)
         torch.cuda.synchronize()
     finally:
-        qsa.routes.invariant_folds = folds
+        qsa.attention.invariant.launch.invariant_folds = folds
     ok = bool(torch.isfinite(out).all())
     print(f"{kv_cache_dtype:9s} invariant folding, {what} finite={ok}")
     return int(not ok)

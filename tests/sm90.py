@@ -19,18 +19,23 @@ import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 
-from qsa import routes
-from qsa.plan import MAP_LIST_WORDS, PLANNER, PLANNER_FEW, PLANNER_MAP, PLANNER_SHORT, SHARED_MAP_MICROBLOCKS
-from qsa.kernels.common import merge_splits_kernel
-from qsa.kernels.grouped import grouped_attention_kernel
-from qsa.kernels.invariant import invariant_attention_kernel, invariant_merge_kernel
-from qsa.kernels.plan import (LIST_WORDS, SHARED_MAP_MICROBLOCKS as KERNEL_MAP_MICROBLOCKS, grouped_plan_kernel,
-                              grouped_plan_map_kernel, single_row_plan_kernel, single_row_sort_plan_kernel)
-from qsa.kernels.splitk import splitk_attention_kernel
-from qsa.kernels.xqa import xqa_attention_kernel, xqa_direct_kernel, xqa_direct_merge_kernel
-from qsa.kernels.cache_write import cache_write_kernel
-from qsa.kernels.indexer import block_scores_kernel, clear_invalid_pages_kernel, store_compressed_kernel
-from qsa.kernels.topk import topk_kernel
+import qsa
+import qsa.attention.grouped.launch
+import qsa.attention.invariant.launch
+import qsa.attention.launch
+import qsa.attention.splitk.launch
+import qsa.attention.xqa.launch
+import qsa.settings
+from qsa.settings import MAP_LIST_WORDS, PLANNER, PLANNER_FEW, PLANNER_MAP, PLANNER_SHORT, SHARED_MAP_MICROBLOCKS
+from qsa.attention.kernels import merge_splits_kernel
+from qsa.attention.grouped.kernel import grouped_attention_kernel
+from qsa.attention.invariant.kernel import invariant_attention_kernel, invariant_merge_kernel
+from qsa.attention.planning.kernels import (grouped_plan_kernel, grouped_plan_map_kernel, LIST_WORDS, SHARED_MAP_MICROBLOCKS as KERNEL_MAP_MICROBLOCKS, single_row_plan_kernel, single_row_sort_plan_kernel)
+from qsa.attention.splitk.kernel import splitk_attention_kernel
+from qsa.attention.xqa.kernel import xqa_attention_kernel, xqa_direct_kernel, xqa_direct_merge_kernel
+from qsa.cache.kernels import cache_write_kernel
+from qsa.selection.kernels import block_scores_kernel, clear_invalid_pages_kernel, store_compressed_kernel
+from qsa.selection.topk import topk_kernel
 
 
 def compile_sm90(kernel, pointers: dict, constexprs: dict, floats=(), num_warps=4, num_stages=2,
@@ -139,7 +144,7 @@ def assert_resident(programs_per_sm: int, num_warps: int, usage: dict, what) -> 
 
 
 def check_grouped_kernel(act, cache, G):
-    cfg = routes.grouped_config(G, 256, kv_fp8=cache == "u8")
+    cfg = qsa.attention.grouped.launch.grouped_config(G, 256, kv_fp8=cache == "u8")
     ptrs = {**_attention_pointers(act, cache), "ids_ptr": "*i32", "masks_ptr": "*i32", "counts_ptr": "*i32"}
     compiled, usage = compile_sm90(
         grouped_attention_kernel, ptrs,
@@ -159,15 +164,15 @@ def check_grouped_kernel(act, cache, G):
 
 def check_single_row_kernel(route, cache):
     fp8 = cache == "u8"
-    cfg = {"xqa": lambda G, d: routes.xqa_config(G, d),
-           "xqa-direct": lambda G, d: routes.xqa_direct_config(G, d, 8, kv_fp8=fp8),
-           "xqa-direct-64": lambda G, d: routes.xqa_direct_config(G, d, 64, kv_fp8=fp8),
-           "xqa-direct-128": lambda G, d: routes.xqa_direct_config(G, d, 128, kv_fp8=fp8),
-           "xqa-direct-unresolved": lambda G, d: dataclasses.replace(routes.xqa_direct_config(G, d),
+    cfg = {"xqa": lambda G, d: qsa.attention.xqa.launch.xqa_config(G, d),
+           "xqa-direct": lambda G, d: qsa.attention.xqa.launch.xqa_direct_config(G, d, 8, kv_fp8=fp8),
+           "xqa-direct-64": lambda G, d: qsa.attention.xqa.launch.xqa_direct_config(G, d, 64, kv_fp8=fp8),
+           "xqa-direct-128": lambda G, d: qsa.attention.xqa.launch.xqa_direct_config(G, d, 128, kv_fp8=fp8),
+           "xqa-direct-unresolved": lambda G, d: dataclasses.replace(qsa.attention.xqa.launch.xqa_direct_config(G, d),
                                                                       resolve_split=False),
-           "splitk": lambda G, d: routes.splitk_config(G, d, kv_fp8=fp8),
-           "splitk-few": lambda G, d: routes.splitk_config(
-               G, d, routes.SPLITK_FP8_FEW_LISTS if fp8 else routes.SPLITK_FEW_LISTS, kv_fp8=fp8)}[route](6, 256)
+           "splitk": lambda G, d: qsa.attention.splitk.launch.splitk_config(G, d, kv_fp8=fp8),
+           "splitk-few": lambda G, d: qsa.attention.splitk.launch.splitk_config(
+               G, d, qsa.settings.SPLITK_FP8_FEW_LISTS if fp8 else qsa.settings.SPLITK_FEW_LISTS, kv_fp8=fp8)}[route](6, 256)
     ptrs = _attention_pointers("fp16", cache)
     if route.startswith("xqa-direct"):
         kernel = xqa_direct_kernel
@@ -177,7 +182,7 @@ def check_single_row_kernel(route, cache):
         # and decode-64 24/2's 2 of 2048 (resolved before the loop; one wave each).
         split_n = {"xqa-direct-64": 512 if fp8 else 1024, "xqa-direct-128": 2048}.get(route, 64)
         split_n = split_n if cfg.resolve_split else 0
-        cx = dict(BLOCK_N=cfg.tile_tokens, BLOCK_W=routes.DIRECT_MAX_WIDTH, PREFETCH=cfg.prefetch and not split_n,
+        cx = dict(BLOCK_N=cfg.tile_tokens, BLOCK_W=qsa.settings.DIRECT_MAX_WIDTH, PREFETCH=cfg.prefetch and not split_n,
                   SPLIT_N=split_n, DEFER_CHECK=cfg.defer_check and split_n > 0, HALVES=cfg.qk_halves)
     elif route == "xqa":
         kernel = xqa_attention_kernel
@@ -196,8 +201,8 @@ def check_single_row_kernel(route, cache):
     assert usage["pdl"], usage
     assert usage["local"] == 0, usage  # no spills
     if route == "splitk-few" and not fp8:
-        # The short tiles' one-wave window (routes.splitk_config) counts this many programs per SM.
-        assert_resident(routes.SPLITK_SHORT_PER_SM, cfg.num_warps, usage, (route, cache, cfg))
+        # The short tiles' one-wave window (qsa.attention.splitk.launch.splitk_config) counts this many programs per SM.
+        assert_resident(qsa.settings.SPLITK_SHORT_PER_SM, cfg.num_warps, usage, (route, cache, cfg))
         assert (cfg.tile_tokens, cfg.num_stages) == (32, 4), cfg
     if route.startswith("xqa-direct"):
         # The programs per SM that the split count assumes fit.
@@ -222,11 +227,11 @@ def check_invariant_kernels(cache, width=2051):
             "pos_ptr": "*i64", "seq_lens_ptr": "*i32", "scratch_ptr": "*i32"}
     kv_fp8 = cache == "u8"
     usage = {}
-    launches = (("fold", True, routes.INVARIANT_FOLD_LISTS), ("split", False, 1),
-                ("fold-many", True, routes.INVARIANT_CAP_LISTS))
+    launches = (("fold", True, qsa.settings.INVARIANT_FOLD_LISTS), ("split", False, 1),
+                ("fold-many", True, qsa.settings.INVARIANT_CAP_LISTS))
     for name, fold, lists in launches:
-        cfg = routes.invariant_config(6, 256, lists, kv_fp8)
-        splits = -(-routes.direct_tiles(width, cfg.tile_tokens) // cfg.split_tiles)
+        cfg = qsa.attention.invariant.launch.invariant_config(6, 256, lists, kv_fp8)
+        splits = -(-qsa.attention.launch.direct_tiles(width, cfg.tile_tokens) // cfg.split_tiles)
         compiled, u = compile_sm90(
             invariant_attention_kernel, ptrs,
             dict(G=6, BLOCK_G=16, BLOCK_N=cfg.tile_tokens, BLOCK_W=max(16, triton.next_power_of_2(width)),
@@ -242,13 +247,13 @@ def check_invariant_kernels(cache, width=2051):
             assert u["regs"] <= cfg.max_registers, u
             assert_resident(3, cfg.num_warps, u, (name, cache))
         usage[name] = u
-    cfg = routes.invariant_config(6, 256)
-    splits = -(-routes.direct_tiles(width, cfg.tile_tokens) // cfg.split_tiles)
+    cfg = qsa.attention.invariant.launch.invariant_config(6, 256)
+    splits = -(-qsa.attention.launch.direct_tiles(width, cfg.tile_tokens) // cfg.split_tiles)
     merge_ptrs = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "gate_ptr": "*fp16", "out_ptr": "*fp16",
                   "lse_ptr": "*fp32"}
     _, u = compile_sm90(invariant_merge_kernel, merge_ptrs,
                         dict(G=6, BLOCK_G=16, NUM_SPLITS=splits, HEAD_DIM=256,
-                             BLOCK_D=routes.invariant_merge_columns(splits, 256), HAS_GATE=True, RETURN_LSE=True,
+                             BLOCK_D=qsa.attention.invariant.launch.invariant_merge_columns(splits, 256), HAS_GATE=True, RETURN_LSE=True,
                              PDL=True), floats=("v_scale",))
     assert u["local"] == 0 and u["pdl"], u  # every split's partial in registers at once, no spill
     usage["merge"] = u
@@ -280,31 +285,31 @@ def check_merge_and_planner_kernels():
 
     partials = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "out_ptr": "*fp16", "gate_ptr": "*fp16",
                 "lse_ptr": "*fp32"}
-    for xqa_lists in (None, 1):  # whole heads, and after an xqa launch of few lists (routes.merge_config)
+    for xqa_lists in (None, 1):  # whole heads, and after an xqa launch of few lists (qsa.attention.launch.merge_config)
         compile_sm90(merge_splits_kernel, partials,
                      dict(NUM_SPLITS=8, BLOCK_S=8, HEAD_DIM=256, HAS_GATE=True, RETURN_LSE=True,
-                          BLOCK_D=routes.merge_config(8, 256, xqa_lists=xqa_lists)[0]), floats=("v_scale",))
+                          BLOCK_D=qsa.attention.launch.merge_config(8, 256, xqa_lists=xqa_lists)[0]), floats=("v_scale",))
     direct = {**_attention_pointers("fp16", "fp16"), **partials, "redo_acc_ptr": "*fp32", "redo_ml_ptr": "*fp32",
               "idx_ptr": "*i32", "bt_ptr": "*i32",
               "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32", "scratch_ptr": "*i32"}
 
     def direct_merge(lists, cap):  # mtp-8 (8 lists) or mtp-16 (16 lists): 17 splits
         return compile_sm90(xqa_direct_merge_kernel, direct,
-                            dict(G=6, BLOCK_G=16, BLOCK_N=32, BLOCK_W=routes.DIRECT_MAX_WIDTH, NUM_SPLITS=17,
+                            dict(G=6, BLOCK_G=16, BLOCK_N=32, BLOCK_W=qsa.settings.DIRECT_MAX_WIDTH, NUM_SPLITS=17,
                                  BLOCK_S=32, HEAD_DIM=256, BLOCK_SIZE=16, KV_FP8=False, SAME_KV_STRIDES=True,
                                  DOT_DTYPE=tl.float16, HAS_GATE=True, RETURN_LSE=True,
-                                 BLOCK_D=routes.merge_config(17, 256, xqa_lists=lists)[0],
-                                 HALVES=routes.xqa_direct_config(6, 256, lists).qk_halves),
+                                 BLOCK_D=qsa.attention.launch.merge_config(17, 256, xqa_lists=lists)[0],
+                                 HALVES=qsa.attention.xqa.launch.xqa_direct_config(6, 256, lists).qk_halves),
                             floats=("qk_scale", "v_scale"), num_warps=4, maxnreg=cap)
 
-    merges = [direct_merge(16, cap) for cap in (routes.DIRECT_MAX_REGISTERS, None)]
-    # routes.direct_merge_registers: where the direct launch fills two programs per SM, the merge, launched
+    merges = [direct_merge(16, cap) for cap in (qsa.settings.DIRECT_MAX_REGISTERS, None)]
+    # qsa.attention.xqa.launch.direct_merge_registers: where the direct launch fills two programs per SM, the merge, launched
     # as the direct kernel starts, waits beside them only capped; uncapped (its recompute path) it does not fit.
     direct_usage = check_single_row_kernel("xqa-direct", "fp16")
     fits = [2 * 128 * direct_usage["regs"] + 128 * m["regs"] <= 65536
             and 2 * (direct_usage["shared"] + 1024) + m["shared"] + 1024 <= SM_SHARED for m in merges]
     assert fits == [True, False], (direct_usage, merges)
-    # After a direct launch of few lists (routes.merge_config): programs of fewer columns, uncapped as launched.
+    # After a direct launch of few lists (qsa.attention.launch.merge_config): programs of fewer columns, uncapped as launched.
     direct_merge(8, None)
     rows = {"idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32",
             "ids_ptr": "*i32", "masks_ptr": "*u8", "counts_ptr": "*i32", "unsorted_ptr": "*i32",
@@ -449,8 +454,9 @@ def check_gluon_ws_prototype():
 
 def check_selection_and_cache_kernels() -> dict:
     """The selection stage (scores, invalid pages, top-k) at QSA's shapes (4 index heads of 128, bf16,
-    page 16) as ``qsa.indexer`` launches it, the compressed-key store and the KV cache write."""
-    from qsa.indexer import MAX_REGISTER_TILE, _score_config, _topk_config
+    page 16) as ``qsa.selection`` launches it, the compressed-key store and the KV cache write."""
+    from qsa.selection.api import _score_config, _topk_config
+    from qsa.settings import SELECT_MAX_REGISTER_TILE as MAX_REGISTER_TILE
 
     import torch
 

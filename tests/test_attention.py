@@ -7,8 +7,17 @@ import pytest
 import torch
 
 import qsa
-from qsa.cache import PagedKVCache, random_mapping
-from qsa.reference import assert_close_like_torch, make_attention_case, reference_attention
+import qsa.attention.grouped.launch
+import qsa.attention.kernels
+import qsa.attention.launch
+import qsa.attention.routing
+import qsa.attention.splitk.launch
+import qsa.attention.xqa.launch
+import qsa.settings
+import qsa.utils
+from qsa.cache.paged import PagedKVCache, random_mapping
+from helpers import assert_bitwise, make_attention_case
+from qsa.attention.reference import assert_close_like_torch, reference_attention
 
 ROUTES = ("grouped", "xqa", "splitk", "invariant")
 
@@ -61,22 +70,22 @@ def test_split_lists_merge_in_order(route, monkeypatch):
     route = route.replace("-prefetch", "")
     case = make_attention_case(rows=11, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16,
                                block_size=16, width=200, max_seq_len=400, messy=False, seed=4)
-    monkeypatch.setattr(qsa.routes, "split_count", lambda programs, max_tiles, per_sm, device, cap=None: 3)
+    monkeypatch.setattr(qsa.attention.routing, "split_count", lambda programs, max_tiles, per_sm, device, cap=None: 3)
 
     def use(prefetch):
-        small = qsa.routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=prefetch)
-        monkeypatch.setattr(qsa.routes, "xqa_config", lambda G, D: small)
-        monkeypatch.setattr(qsa.routes, "splitk_config", lambda G, D, lists=None, kv_fp8=False, sm_count=None: small)
-        monkeypatch.setattr(qsa.routes, "grouped_config", lambda G, D, kv_fp8=False: qsa.routes.GroupedConfig(
+        small = qsa.settings.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=prefetch)
+        monkeypatch.setattr(qsa.attention.xqa.launch, "xqa_config", lambda G, D: small)
+        monkeypatch.setattr(qsa.attention.splitk.launch, "splitk_config", lambda G, D, lists=None, kv_fp8=False, sm_count=None: small)
+        monkeypatch.setattr(qsa.attention.grouped.launch, "grouped_config", lambda G, D, kv_fp8=False: qsa.settings.GroupedConfig(
             rows_per_prog=8, block_m=16, mb=4, num_warps=4, num_stages=2, prefetch=prefetch))
     use(prefetch)
     check_route(case, route)
     base = _run(case, route)
     mapping = random_mapping(case.cache.num_blocks, generator=torch.Generator().manual_seed(5))
-    _assert_bitwise(base, _run(case.relocated(mapping), route), "relocation with splits")
+    assert_bitwise(base, _run(case.relocated(mapping), route), "relocation with splits")
     if prefetch:
         use(False)
-        _assert_bitwise(base, _run(case, route), "prefetch vs no prefetch")
+        assert_bitwise(base, _run(case, route), "prefetch vs no prefetch")
 
 
 @pytest.mark.parametrize("cols,warps", [(8, 2), (16, 4)])
@@ -86,11 +95,11 @@ def test_merge_in_column_chunks(route, cols, warps, monkeypatch):
     exact, out and LSE (every column program stores the same LSE), and bitwise stable under relocation."""
     case = make_attention_case(rows=9, num_reqs=2, num_q_heads=4, num_kv_heads=2, head_dim=32, width=120,
                                max_seq_len=300, with_gate=True, seed=9)
-    monkeypatch.setattr(qsa.routes, "split_count", lambda programs, max_tiles, per_sm, device, cap=None: 3)
-    monkeypatch.setattr(qsa.routes, "merge_config", lambda splits, d, xqa_lists=None: (cols, warps))
+    monkeypatch.setattr(qsa.attention.routing, "split_count", lambda programs, max_tiles, per_sm, device, cap=None: 3)
+    monkeypatch.setattr(qsa.attention.launch, "merge_config", lambda splits, d, xqa_lists=None: (cols, warps))
     check_route(case, route)
     mapping = random_mapping(case.cache.num_blocks, generator=torch.Generator().manual_seed(10))
-    _assert_bitwise(_run(case, route), _run(case.relocated(mapping), route), "relocation with column chunks")
+    assert_bitwise(_run(case, route), _run(case.relocated(mapping), route), "relocation with column chunks")
 
 
 @pytest.mark.parametrize("lazy", [False, True])
@@ -101,11 +110,11 @@ def test_grouped_lazy_rescale(lazy, monkeypatch):
     case = make_attention_case(rows=16, num_reqs=2, num_q_heads=4, num_kv_heads=1, head_dim=16, width=64,
                                max_seq_len=200, messy=False, seed=7)
     case.q.mul_(8)
-    monkeypatch.setattr(qsa.routes, "grouped_config", lambda G, D, kv_fp8=False: qsa.routes.GroupedConfig(
+    monkeypatch.setattr(qsa.attention.grouped.launch, "grouped_config", lambda G, D, kv_fp8=False: qsa.settings.GroupedConfig(
         rows_per_prog=8, block_m=32, mb=2, num_warps=4, num_stages=2, lazy_rescale=lazy))
     check_route(case, "grouped")
     mapping = random_mapping(case.cache.num_blocks, generator=torch.Generator().manual_seed(8))
-    _assert_bitwise(_run(case, "grouped"), _run(case.relocated(mapping), "grouped"), "relocation")
+    assert_bitwise(_run(case, "grouped"), _run(case.relocated(mapping), "grouped"), "relocation")
 
 
 def test_scales_and_softmax_scale():
@@ -133,9 +142,6 @@ def _run(case, route, **kw):
     return case.run(qsa.sparse_paged_attention, route=route, return_lse=True, **kw)
 
 
-def _assert_bitwise(a, b, what):
-    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), f"{what}: outputs are not bitwise equal"
-
 
 @pytest.mark.parametrize("route", ["grouped", "xqa", "invariant", "auto"])
 def test_bitwise_determinism(route):
@@ -143,15 +149,15 @@ def test_bitwise_determinism(route):
     case = make_attention_case(rows=rows, num_reqs=4, num_q_heads=6, num_kv_heads=1, head_dim=32,
                                block_size=16, width=40, max_seq_len=160, with_gate=True, seed=7)
     base = _run(case, route)
-    _assert_bitwise(base, _run(case, route), "repeat")
+    assert_bitwise(base, _run(case, route), "repeat")
     g = torch.Generator().manual_seed(11)
-    _assert_bitwise(base, _run(case.with_permuted_indices(g), route), "permuted indices")
+    assert_bitwise(base, _run(case.with_permuted_indices(g), route), "permuted indices")
     n = case.cache.num_blocks
     mapping = random_mapping(n, generator=g)
-    _assert_bitwise(base, _run(case.relocated(mapping), route), "relocation")
+    assert_bitwise(base, _run(case.relocated(mapping), route), "relocation")
     mapping = random_mapping(n, generator=g, collision_prone=True)
     moved = case.relocated(mapping, num_blocks_out=int(mapping.max()) + 1)
-    _assert_bitwise(base, _run(moved, route), "relocation into a larger cache, collision-prone ids")
+    assert_bitwise(base, _run(moved, route), "relocation into a larger cache, collision-prone ids")
 
 
 @pytest.mark.parametrize("dtype,kv_cache_dtype", [(torch.float16, "auto"), (torch.bfloat16, "auto"),
@@ -160,24 +166,24 @@ def test_splitk_score_halves(dtype, kv_cache_dtype, monkeypatch):
     """splitk with its scores over the head's column halves (``qk_halves``, as shipped at head_dim 256):
     exact on messy rows with splits merged, and bitwise stable under repeats, permuted indices and
     relocation. A known-wrong step that takes one column half of the query twice fails the check."""
-    import qsa.kernels.common as kc
+    import qsa
     from test_xqa_direct import _one_half_twice
 
     case = make_attention_case(rows=13, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=70,
                                max_seq_len=200, dtype=dtype, kv_cache_dtype=kv_cache_dtype, with_gate=True,
                                seed=31)
-    halves = qsa.routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, qk_halves=True)
-    monkeypatch.setattr(qsa.routes, "splitk_config", lambda G, D, lists=None, kv_fp8=False, sm_count=None: halves)
-    monkeypatch.setattr(qsa.routes, "split_count", lambda programs, max_tiles, per_sm, device, cap=None: 3)
+    halves = qsa.settings.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, qk_halves=True)
+    monkeypatch.setattr(qsa.attention.splitk.launch, "splitk_config", lambda G, D, lists=None, kv_fp8=False, sm_count=None: halves)
+    monkeypatch.setattr(qsa.attention.routing, "split_count", lambda programs, max_tiles, per_sm, device, cap=None: 3)
     check_route(case, "splitk")
     base = _run(case, "splitk")
-    _assert_bitwise(base, _run(case, "splitk"), "repeat")
+    assert_bitwise(base, _run(case, "splitk"), "repeat")
     g = torch.Generator().manual_seed(32)
-    _assert_bitwise(base, _run(case.with_permuted_indices(g), "splitk"), "permuted indices")
+    assert_bitwise(base, _run(case.with_permuted_indices(g), "splitk"), "permuted indices")
     mapping = random_mapping(case.cache.num_blocks, generator=g)
-    _assert_bitwise(base, _run(case.relocated(mapping), "splitk"), "relocation")
+    assert_bitwise(base, _run(case.relocated(mapping), "splitk"), "relocation")
     if kv_cache_dtype == "auto" and dtype == torch.float16:
-        monkeypatch.setattr(kc, "attend_tile_halves", _one_half_twice)
+        monkeypatch.setattr(qsa.attention.kernels, "attend_tile_halves", _one_half_twice)
         with pytest.raises(AssertionError):
             check_route(case, "splitk")
 
@@ -187,31 +193,30 @@ def test_splitk_settings_by_head_dim_and_lists(monkeypatch):
     more stages up to SPLITK_FEW_LISTS lists, and again where the lists take one split each and fit one wave
     of the short kernel on a GPU of known SM count; over an FP8 cache short tiles up to SPLITK_FP8_FEW_LISTS,
     then long tiles on three stages."""
-    r = qsa.routes
-    assert r.splitk_config(6, 256).qk_halves and not r.splitk_config(6, 128).qk_halves
-    few, many = r.splitk_config(6, 256, r.SPLITK_FEW_LISTS), r.splitk_config(6, 256, r.SPLITK_FEW_LISTS + 1)
+    assert qsa.attention.splitk.launch.splitk_config(6, 256).qk_halves and not qsa.attention.splitk.launch.splitk_config(6, 128).qk_halves
+    few, many = qsa.attention.splitk.launch.splitk_config(6, 256, qsa.settings.SPLITK_FEW_LISTS), qsa.attention.splitk.launch.splitk_config(6, 256, qsa.settings.SPLITK_FEW_LISTS + 1)
     assert (few.tile_tokens, few.num_stages) == (32, 4) and (many.tile_tokens, many.num_stages) == (64, 2)
-    assert r.splitk_config(6, 256) == many
+    assert qsa.attention.splitk.launch.splitk_config(6, 256) == many
     # Sized by waves on 132 SMs: the short tiles where the splits (3 programs per SM) fit one wave of
     # SPLITK_SHORT_PER_SM short programs; below the split target otherwise the long tiles in one split each.
-    assert few.programs_per_sm == many.programs_per_sm == 3 and r.SPLITK_SHORT_PER_SM == 4
-    by_lists = {lists: r.splitk_config(6, 256, lists, sm_count=132) for lists in range(r.SPLITK_FEW_LISTS + 1, 1200)}
+    assert few.programs_per_sm == many.programs_per_sm == 3 and qsa.settings.SPLITK_SHORT_PER_SM == 4
+    by_lists = {lists: qsa.attention.splitk.launch.splitk_config(6, 256, lists, sm_count=132) for lists in range(qsa.settings.SPLITK_FEW_LISTS + 1, 1200)}
     assert [n for n, c in by_lists.items() if c == few] == [*range(257, 265), *range(396, 529)]
     one = dataclasses.replace(many, programs_per_sm=1)
     assert [n for n, c in by_lists.items() if c == one] == list(range(265, 396))
     assert all(c == many for n, c in by_lists.items() if n >= 529)
     h200 = {"kind": "cuda", "sm_count": 132}
-    monkeypatch.setattr(r, "device_facts", lambda device: h200)
+    monkeypatch.setattr(qsa.utils, "device_facts", lambda device: h200)
     cpu = torch.device("cpu")  # with the facts of a 132-SM GPU: the splits the launch gets
-    assert [r.split_count(n, 33, 3, cpu) for n in (264, 300, 395, 396)] == [2, 2, 2, 1]
-    assert all(r.split_count(n, 33, one.programs_per_sm, cpu) == 1 for n in (265, 300, 395))
-    assert r.splitk_config(6, 256, 512) == many and r.splitk_config(6, 256, 300) == many  # no SM count
-    assert r.splitk_config(6, 256, 100, sm_count=132) == few and r.splitk_config(6, 256, 8192, sm_count=132) == many
-    few8 = r.splitk_config(6, 256, r.SPLITK_FP8_FEW_LISTS, kv_fp8=True)
-    many8 = r.splitk_config(6, 256, r.SPLITK_FP8_FEW_LISTS + 1, kv_fp8=True)
+    assert [qsa.attention.routing.split_count(n, 33, 3, cpu) for n in (264, 300, 395, 396)] == [2, 2, 2, 1]
+    assert all(qsa.attention.routing.split_count(n, 33, one.programs_per_sm, cpu) == 1 for n in (265, 300, 395))
+    assert qsa.attention.splitk.launch.splitk_config(6, 256, 512) == many and qsa.attention.splitk.launch.splitk_config(6, 256, 300) == many  # no SM count
+    assert qsa.attention.splitk.launch.splitk_config(6, 256, 100, sm_count=132) == few and qsa.attention.splitk.launch.splitk_config(6, 256, 8192, sm_count=132) == many
+    few8 = qsa.attention.splitk.launch.splitk_config(6, 256, qsa.settings.SPLITK_FP8_FEW_LISTS, kv_fp8=True)
+    many8 = qsa.attention.splitk.launch.splitk_config(6, 256, qsa.settings.SPLITK_FP8_FEW_LISTS + 1, kv_fp8=True)
     assert few8 == few and (many8.tile_tokens, many8.num_stages, many8.qk_halves) == (64, 3, True)
-    assert r.splitk_config(6, 256, kv_fp8=True) == many8
-    assert all(r.splitk_config(6, 256, n, kv_fp8=True, sm_count=132) == many8 for n in (300, 512))  # no waves
+    assert qsa.attention.splitk.launch.splitk_config(6, 256, kv_fp8=True) == many8
+    assert all(qsa.attention.splitk.launch.splitk_config(6, 256, n, kv_fp8=True, sm_count=132) == many8 for n in (300, 512))  # no waves
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
@@ -220,14 +225,14 @@ def test_splitk_launch_takes_the_settings_of_its_lists(kv_cache_dtype, monkeypat
     CPU), and every setting it can get is exact: over an FP8 cache the long tiles on three stages and the
     short ones; else the short tiles, and the long ones past the short tiles' bound."""
     seen = []
-    shipped = qsa.routes.splitk_config
+    shipped = qsa.attention.splitk.launch.splitk_config
 
     def spy(G, D, lists=None, kv_fp8=False, sm_count=None):
         seen.append((lists, kv_fp8, sm_count))
         cfg = shipped(G, D, lists, kv_fp8, sm_count)
         seen.append((cfg.tile_tokens, cfg.num_stages, cfg.programs_per_sm))
         return cfg
-    monkeypatch.setattr(qsa.routes, "splitk_config", spy)
+    monkeypatch.setattr(qsa.attention.splitk.launch, "splitk_config", spy)
     fp8 = kv_cache_dtype == "fp8_e4m3"
     case = make_attention_case(rows=9, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=70,
                                max_seq_len=200, kv_cache_dtype=kv_cache_dtype, with_gate=True, seed=33)
@@ -235,11 +240,11 @@ def test_splitk_launch_takes_the_settings_of_its_lists(kv_cache_dtype, monkeypat
     assert seen == [(18, fp8, None), (64, 3, 3) if fp8 else (32, 4, 3)]
     seen.clear()
     if fp8:
-        monkeypatch.setattr(qsa.routes, "SPLITK_FP8_FEW_LISTS", 18)  # 18 lists take the short tiles
+        monkeypatch.setattr(qsa.settings, "SPLITK_FP8_FEW_LISTS", 18)  # 18 lists take the short tiles
         check_route(case, "splitk")
         assert seen == [(18, True, None), (32, 4, 3)]
     else:
-        monkeypatch.setattr(qsa.routes, "SPLITK_FEW_LISTS", 8)  # 18 lists take the long tiles ...
+        monkeypatch.setattr(qsa.settings, "SPLITK_FEW_LISTS", 8)  # 18 lists take the long tiles ...
         check_route(case, "splitk")
         assert seen == [(18, False, None), (64, 2, 3)]
         # ... unless the GPU's SM count sizes the launch by waves: on 5 SMs 18 lists fit one wave of short
@@ -248,7 +253,7 @@ def test_splitk_launch_takes_the_settings_of_its_lists(kv_cache_dtype, monkeypat
         for sms, setting in ((5, (32, 4, 3)), (7, (64, 2, 1))):
             seen.clear()
             facts = {"kind": "cuda", "sm_count": sms}
-            monkeypatch.setattr(qsa.attention, "device_facts", lambda device, facts=facts: facts)
+            monkeypatch.setattr(qsa.utils, "device_facts", lambda device, facts=facts: facts)
             check_route(case, "splitk")
             assert seen == [(18, False, sms), setting]
 
@@ -267,7 +272,7 @@ def test_v_cache_with_its_own_strides(route):
     args = (case.q, c.k, c.v, case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens)
     base = qsa.sparse_paged_attention(*args, route=route, return_lse=True)
     got = qsa.sparse_paged_attention(*args[:2], v, *args[3:], route=route, return_lse=True)
-    _assert_bitwise(base, got, "V with its own strides")
+    assert_bitwise(base, got, "V with its own strides")
 
 
 def test_padding_and_empty_rows_are_zero():
@@ -536,7 +541,7 @@ def test_plan_out_is_refilled_in_place():
         a = qsa.run_attention(held, new.q, new.cache.k, new.cache.v, return_lse=True)
         b = qsa.run_attention(plan(new, route=route, rows_sorted=rows_sorted), new.q, new.cache.k, new.cache.v,
                               return_lse=True)
-        _assert_bitwise(a, b, f"{route} (rows_sorted={rows_sorted}): the refilled plan vs a fresh one")
+        assert_bitwise(a, b, f"{route} (rows_sorted={rows_sorted}): the refilled plan vs a fresh one")
     wider = dataclasses.replace(new, indices=torch.cat([new.indices] * 5, dim=1))
     for route in ("grouped", "xqa"):
         big = plan(wider, route=route)
@@ -609,14 +614,14 @@ def test_auto_sends_a_decode_batch_to_xqa():
     check_route(case, "xqa")
     nan = torch.full_like(case.q, float("nan"))
     auto = case.run(qsa.sparse_paged_attention, route="auto", max_query_len=1, out=nan, return_lse=True)
-    _assert_bitwise(auto, _run(case, "xqa"), "auto with max_query_len=1 vs xqa")
+    assert_bitwise(auto, _run(case, "xqa"), "auto with max_query_len=1 vs xqa")
     for bad, error in ((0, ValueError), (1.0, TypeError), (True, TypeError)):
         with pytest.raises(error, match="max_query_len"):
             qsa.plan_attention(*args, **kw, max_query_len=bad)
     assert qsa.plan_attention(*args, **kw, max_query_len=np.int64(1)).routes.route == "xqa"
-    mql = qsa.routes.max_query_len_of
+    mql = qsa.attention.routing.max_query_len_of
     assert (mql([3, 1, -1, 2]), mql(torch.tensor([0, 0, 5, -1, 0])), mql([-1, -1]), mql([])) == (1, 3, None, None)
-    from qsa.layer import StepMetadata
+    from qsa.model.layer import StepMetadata
     meta = StepMetadata.build([0, 1, 2, -1], [5, 6, 7, -1], [8, 8, 8], [[0], [1], [2]], [-1] * 4,
                               block_size=16, device="cpu")
     assert meta.max_query_len == 1
@@ -628,57 +633,56 @@ def test_auto_sends_a_decode_batch_to_xqa():
 def test_route_admission():
     """A forced route that cannot take a shape raises, naming why; ``auto`` falls back: to splitk past the
     page4 routes' heads per tile, to the reference for a head dim no Triton kernel takes."""
-    r = qsa.routes
     kw = dict(rows=4, device=torch.device("cpu"))
-    assert r.choose("auto", G=2, head_dim=24, **kw).route == "reference"
+    assert qsa.attention.routing.choose("auto", G=2, head_dim=24, **kw).route == "reference"
     for route in ("grouped", "xqa", "splitk"):
         with pytest.raises(ValueError, match="head_dim must be one of"):
-            r.choose(route, G=2, head_dim=24, **kw)
-    wide_g = 2 * r.MAX_TILE_ROWS
-    assert r.choose("auto", G=wide_g, head_dim=16, **kw).route == "splitk"
-    assert r.choose("splitk", G=wide_g, head_dim=16, **kw).route == "splitk"
+            qsa.attention.routing.choose(route, G=2, head_dim=24, **kw)
+    wide_g = 2 * qsa.attention.routing.MAX_TILE_ROWS
+    assert qsa.attention.routing.choose("auto", G=wide_g, head_dim=16, **kw).route == "splitk"
+    assert qsa.attention.routing.choose("splitk", G=wide_g, head_dim=16, **kw).route == "splitk"
     for route in ("grouped", "xqa"):
         with pytest.raises(ValueError, match="heads per tile"):
-            r.choose(route, G=wide_g, head_dim=16, **kw)
+            qsa.attention.routing.choose(route, G=wide_g, head_dim=16, **kw)
     # The fallback runs: q of head dim 24 through auto equals the reference route.
     case = make_attention_case(rows=4, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=8, seed=3)
     q = torch.randn(4, 2, 24, generator=torch.Generator().manual_seed(1)).half()
     k = torch.randn(case.cache.num_blocks, case.cache.block_size, 1, 24).half()
     args = (q, k, k.clone(), case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens)
-    _assert_bitwise(qsa.sparse_paged_attention(*args, route="auto", return_lse=True),
+    assert_bitwise(qsa.sparse_paged_attention(*args, route="auto", return_lse=True),
                     qsa.sparse_paged_attention(*args, route="reference", return_lse=True), "auto at head_dim 24")
 
 
 def test_dependent_launch_only_where_supported(monkeypatch):
     """Programmatic dependent launch is asked for on sm_90 and newer GPUs only, never under the
     interpreter, and ``QSA_PDL=0`` turns it off; a launch passes the same switch to the kernel."""
-    from qsa import utils
+    import qsa
 
-    assert not utils.dependent_launch("cpu")
+    assert not qsa.utils.dependent_launch("cpu")
     facts = {"cuda:0": {"kind": "cuda", "capability": (9, 0)}, "cuda:1": {"kind": "cuda", "capability": (8, 9)}}
-    monkeypatch.setattr(utils, "device_facts", lambda d: facts[d])
+    monkeypatch.setattr(qsa.utils, "device_facts", lambda d: facts[d])
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not utils.dependent_launch("cuda:0")
+    assert not qsa.utils.dependent_launch("cuda:0")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.delenv("QSA_PDL", raising=False)
-    assert utils.dependent_launch("cuda:0") and not utils.dependent_launch("cuda:1")
-    assert utils.launch_options("cuda:0") == {"PDL": 1, "launch_pdl": True}
-    assert utils.launch_options("cuda:0", early_trigger=False) == {"PDL": 2, "launch_pdl": True}
+    assert qsa.utils.dependent_launch("cuda:0") and not qsa.utils.dependent_launch("cuda:1")
+    assert qsa.utils.launch_options("cuda:0") == {"PDL": 1, "launch_pdl": True}
+    assert qsa.utils.launch_options("cuda:0", early_trigger=False) == {"PDL": 2, "launch_pdl": True}
     monkeypatch.setenv("QSA_PDL", "0")
-    assert not utils.dependent_launch("cuda:0")
-    assert utils.launch_options("cuda:0") == {"PDL": 0, "launch_pdl": False}
+    assert not qsa.utils.dependent_launch("cuda:0")
+    assert qsa.utils.launch_options("cuda:0") == {"PDL": 0, "launch_pdl": False}
 
 
 def test_grouped_config_defaults():
     """The shipped grouped settings (routes.grouped_config docstring): 64-row tiles on 4 warps with three
     stages for 6/1 at D=256, the plan-entry prefetch and the lazy rescale with an FP8 cache; 128-row
     tiles for 12/1 and 24/2."""
-    cfg = qsa.routes.grouped_config(6, 256)
+    cfg = qsa.attention.grouped.launch.grouped_config(6, 256)
     assert (cfg.block_m, cfg.num_warps, cfg.num_stages, cfg.prefetch, cfg.lazy_rescale) == (64, 4, 3, False, False)
-    fp8 = qsa.routes.grouped_config(6, 256, kv_fp8=True)
+    fp8 = qsa.attention.grouped.launch.grouped_config(6, 256, kv_fp8=True)
     assert fp8.prefetch and fp8.lazy_rescale
     for G in (12, 24):
-        wide = qsa.routes.grouped_config(G, 256)
+        wide = qsa.attention.grouped.launch.grouped_config(G, 256)
         assert (wide.block_m, wide.num_warps, wide.num_stages, wide.prefetch, wide.lazy_rescale) == (128, 8, 3, True, True)
 
 
@@ -687,8 +691,8 @@ def test_grouped_config_defaults():
 def test_grouped_kernel_takes_plans_of_any_group_size(group_rows, num_q_heads):
     """``plan_groups`` makes groups of 1..8 rows; the grouped launcher cuts each group into sub-groups
     that divide it (with the tuned 8 rows per program it wrote nothing for groups of 1..7 rows)."""
-    from qsa.attention import grouped_attention
-    from qsa.plan import plan_groups
+    from qsa.attention.grouped.launch import grouped_attention
+    from qsa.attention.planning.plan import plan_groups
 
     case = make_attention_case(rows=15, num_reqs=3, num_q_heads=num_q_heads, width=16, seed=4)
     plan = plan_groups(**case.plan_inputs(), group_rows=group_rows)
@@ -707,7 +711,7 @@ def test_a_non_finite_value_stays_in_its_rows_or_group(route):
     """A V value of inf in one cache slot: xqa, splitk and invariant keep rows apart, so every row that does not
     read that slot keeps its bits; the grouped route loads a slot once for its 8-row group, and 0 * inf
     in P @ V can reach the other rows of a group that reads it (README), never a row of another group."""
-    from qsa.reference import _kept_tokens
+    from qsa.attention.reference import kept_tokens as _kept_tokens
 
     case = make_attention_case(rows=24, num_reqs=3, width=16, seed=5)
     c = case.cache

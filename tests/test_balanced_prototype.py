@@ -11,8 +11,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from benchmarks.prototypes.balanced_grouped import balanced_grouped, host_plan  # noqa: E402
-from qsa.plan import plan_groups  # noqa: E402
-from qsa.reference import assert_close_like_torch, make_attention_case, reference_attention  # noqa: E402
+from qsa.attention.planning.plan import plan_groups  # noqa: E402
+from helpers import make_attention_case
+from qsa.attention.reference import assert_close_like_torch
+from qsa.attention.reference import reference_attention  # noqa: E402
 
 pytestmark = pytest.mark.lab
 

@@ -23,7 +23,8 @@ from benchmarks.baselines import (exact_selection, naive_attention,  # noqa: E40
                                   reference_attention_fp32, selection_check)
 from benchmarks.generators import (adjacent_overlap, block_sets, expand_blocks, row_layout,  # noqa: E402
                                    selection_stats, walk_blocks)
-from qsa.reference import make_attention_case, reference_attention  # noqa: E402
+from helpers import make_attention_case
+from qsa.attention.reference import reference_attention  # noqa: E402
 
 
 # ------------------------------------------------------------------------------------------------
@@ -74,7 +75,7 @@ def test_selection_stats_counts_unions_and_sets():
     kw = case.plan_inputs()
     st = selection_stats(kw["indices"], kw["block_table"], kw["token_to_req"], kw["positions"], kw["seq_lens"],
                          block_size=kw["block_size"], num_blocks=kw["num_blocks"])
-    from qsa.reference import _kept_tokens
+    from qsa.attention.reference import kept_tokens as _kept_tokens
 
     idx, t2r, pos = case.indices.tolist(), case.token_to_req.tolist(), case.positions.tolist()
     lens, table = case.seq_lens.tolist(), case.block_table.tolist()
@@ -127,7 +128,7 @@ def test_fp32_reference_and_naive_match_fp64_reference(kv_cache_dtype, heads):
 @pytest.mark.parametrize("layout", ["interleaved", "separate"])
 def test_row_gather_equals_advanced_indexing(layout):
     from benchmarks.baselines import _gather
-    from qsa.cache import allocate_kv_cache
+    from qsa.cache.paged import allocate_kv_cache
 
     c = allocate_kv_cache(7, 8, 2, 16, layout=layout)
     g = torch.Generator().manual_seed(0)
@@ -140,7 +141,7 @@ def test_row_gather_equals_advanced_indexing(layout):
 
 
 def test_exact_selection_matches_loop_reference():
-    from qsa.indexer_reference import select_tokens_reference
+    from qsa.selection.reference import select_tokens_reference
 
     from benchmarks.generators import selection_workload
 
@@ -391,12 +392,14 @@ def test_registry_names_and_selection():
 def test_end_to_end_tiny_run(tmp_path, capsys):
     out, docs = tmp_path / "results", tmp_path / "docs"
     out.mkdir()
-    (out / "tune-2026-01-01-0000-cpu.json").write_text("{}")  # not a full run: left out of the history
+    (out / "latest.json").write_text("{}")  # the last run's: replaced
+    (out / "2026-01-01-0000-cpu.json").write_text("{}")  # an old dated copy: neither read nor linked
     rc = run.main(["--scenario", "tiny-*", "--out", str(out), "--docs", str(docs)])
     assert rc == 0
     latest = json.loads((out / "latest.json").read_text())
-    dated = [p for p in out.glob("*.json") if p.name != "latest.json" and not p.name.startswith("tune-")]
-    assert len(dated) == 1 and json.loads(dated[0].read_text()) == latest
+    # latest.json and nothing else is written: no dated copy beside it
+    assert sorted(p.name for p in out.iterdir()) == ["2026-01-01-0000-cpu.json", "latest.json"]
+    assert (out / "2026-01-01-0000-cpu.json").read_text() == "{}"
     for key in ("schema", "device", "date", "complete", "ceilings", "scenarios", "records", "targets", "versions"):
         assert key in latest
     assert latest["complete"] and latest["device"] == "cpu"
@@ -427,8 +430,8 @@ def test_end_to_end_tiny_run(tmp_path, capsys):
     assert names == {name for name, *_ in report.TARGETS}
     assert all(set(t) >= {"name", "value", "goal", "met"} for t in latest["targets"])
     md = (docs / "benchmarks.md").read_text()
-    assert "| tiny-prefill | grouped |" in md and "## Targets" in md and dated[0].name in md
-    assert f"](../results/{dated[0].name})" in md and "tune-" not in md
+    assert "| tiny-prefill | grouped |" in md and "## Targets" in md and latest["date"] in md
+    assert "2026-01-01" not in md and "History" not in md
     text = capsys.readouterr().out
     assert "tiny-selection" in text and "target" in text
     assert not any(isinstance(v, float) and (math.isnan(v) or math.isinf(v))
@@ -667,7 +670,8 @@ def test_floors_cli_writes_its_report(tmp_path, capsys):
     from benchmarks import floors
 
     assert floors.main(["tiny-decode", "--quick", "--device", "cpu", "--out", str(tmp_path)]) == 0
-    (js,) = tmp_path.glob("floors-*.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["floors-cpu.json", "floors-cpu.md"]  # no date in them
+    js = tmp_path / "floors-cpu.json"
     rep = json.load(open(js))
     (rec,) = rep["scenarios"]
     assert rec["scenario"] == "tiny-decode" and rec["kv_bytes"] > 0
@@ -675,11 +679,10 @@ def test_floors_cli_writes_its_report(tmp_path, capsys):
     assert all(p["ok"] and p["median_ms"] > 0 for p in rec["probes"])
     assert rec["xqa_ms"] > 0 and rec["splitk_ms"] > 0 and rec["launch_2_ms"] > 0
     assert "tiny-decode" in capsys.readouterr().out
-    assert list(tmp_path.glob("floors-*.md"))
     with pytest.raises(SystemExit):
         floors.main(["tiny-selection", "--device", "cpu"])
     assert floors.main(["tiny-prefill", "--quick", "--device", "cpu", "--out", str(tmp_path / "g")]) == 0
-    (js,) = (tmp_path / "g").glob("floors-*.json")
+    js = tmp_path / "g" / "floors-cpu.json"
     (rec,) = json.load(open(js))["scenarios"]
     assert rec["scenario"] == "tiny-prefill" and rec["target"] == "splitk / 3" and rec["union_bytes"] > 0
     assert {p["variant"] for p in rec["probes"]} == {"products", "small"}
@@ -687,8 +690,8 @@ def test_floors_cli_writes_its_report(tmp_path, capsys):
     assert min(rec[k] for k in ("grouped_ms", "planner_ms", "attention_ms", "splitk_ms")) > 0
     assert "Grouped step" in capsys.readouterr().out
     assert floors.main(["tiny-decode", "--quick", "--device", "cpu", "--flush", "read", "--out", str(tmp_path)]) == 0
-    (js,) = tmp_path.glob("floors-*-read-flush.json")
-    assert json.load(open(js))["flush"] == "read"
+    assert json.load(open(tmp_path / "floors-cpu-read-flush.json"))["flush"] == "read"
+    assert json.load(open(tmp_path / "floors-cpu.json"))["flush"] == "write"
 
 
 def test_timer_flushes():
@@ -711,7 +714,7 @@ def test_kept_entries_in_row_order_are_the_reference_sets():
     -1, tokens past the position, the length and the table, table entries -1 and past the cache, padding
     rows, rows whose position is past their length."""
     from benchmarks.generators import kept_entries
-    from qsa.reference import _kept_tokens
+    from qsa.attention.reference import kept_tokens as _kept_tokens
 
     case = make_attention_case(rows=13, num_reqs=3, num_q_heads=2, num_kv_heads=1, head_dim=16, width=40,
                                max_seq_len=150, padding_rows=2, seed=31)

@@ -6,10 +6,9 @@ import numpy as np
 import pytest
 import torch
 
-import qsa.cache
-from qsa.cache import (COLLISION_OFFSET, COLLISION_STRIDE, E4M3_NAN_BYTE, E4M3_SATURATES, BlockAllocator,
-                       OutOfBlocksError, PagedKVCache, allocate_kv_cache, collision_prone_num_blocks,
-                       dequantize_e4m3, quantize_e4m3, random_mapping, relocate, write_kv)
+import qsa
+import qsa.cache.paged
+from qsa.cache.paged import (allocate_kv_cache, BlockAllocator, COLLISION_OFFSET, collision_prone_num_blocks, COLLISION_STRIDE, dequantize_e4m3, E4M3_NAN_BYTE, E4M3_SATURATES, OutOfBlocksError, PagedKVCache, quantize_e4m3, random_mapping, relocate, write_kv)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -210,7 +209,7 @@ class TestWriteKV:
     def test_fp8_other_overflow_mode(self, device, monkeypatch):
         """The overflow mode the installed torch does not use, against the numpy model."""
         other = not E4M3_SATURATES
-        monkeypatch.setattr(qsa.cache, "E4M3_SATURATES", other)
+        monkeypatch.setattr(qsa.cache.paged, "E4M3_SATURATES", other)
         x = _e4m3_probe_values()
         x = x[(x.abs() > 400) | x.isnan()]
         x = torch.cat([x, torch.ones(-x.numel() % 64)]).view(-1, 1, 64)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import qsa
-from qsa import cli
+import qsa.cli.commands
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # the checkout root, for benchmarks/
@@ -34,13 +34,13 @@ def _pyproject() -> dict:
 
 def test_version_prints_the_package_version(capsys):
     with pytest.raises(SystemExit) as e:
-        cli.main(["--version"])
+        qsa.cli.main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == f"qsa {qsa.__version__}"
 
 
 def test_bare_qsa_prints_the_help_and_exits_0(capsys):
-    assert cli.main([]) == 0
+    assert qsa.cli.main([]) == 0
     out = capsys.readouterr().out
     assert out.startswith("usage: qsa") and "--version" in out
     assert all(name in out for name in SUBCOMMANDS)
@@ -58,23 +58,23 @@ def _help_lines(text: str) -> dict:
 
 def test_help_lists_every_subcommand_with_a_line_of_help(capsys):
     with pytest.raises(SystemExit) as e:
-        cli.main(["--help"])
+        qsa.cli.main(["--help"])
     assert e.value.code == 0
     lines = _help_lines(capsys.readouterr().out)
     assert set(lines) == set(SUBCOMMANDS), lines
     assert all(len(text.split()) >= 3 for text in lines.values()), lines
-    assert set(cli.COMMANDS) | {"info"} == set(SUBCOMMANDS)  # a new command shows up in this test
+    assert set(qsa.cli.commands.COMMANDS) | {"info"} == set(SUBCOMMANDS)  # a new command shows up in this test
 
 
 def test_unknown_command_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
-        cli.main(["bogus"])
+        qsa.cli.main(["bogus"])
     assert e.value.code == 2
     assert "invalid choice" in capsys.readouterr().err
 
 
 def test_info_prints_the_version_first(capsys):
-    assert cli.main(["info"]) == 0
+    assert qsa.cli.main(["info"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"qsa {qsa.__version__}"
     assert any(line.startswith("route grouped") for line in out)
@@ -216,23 +216,27 @@ def test_cpu_text_report_shows_what_was_measured():
 
 def test_cpu_markdown_report(tmp_path):
     path = tmp_path / "benchmarks.md"
-    report.write_markdown(_recorded("cpu"), path, plot=None, history=[tmp_path / "2026-01-01-0000-cpu.json"])
+    report.write_markdown(_recorded("cpu"), path, plot=None)
     md = path.read_text()
     assert md.startswith("# Benchmarks (CPU)") and "on **cpu**" in md
     assert "| tiny-prefill | grouped | 367.4 | 11 | 14 | 3 | 2.50e-04 (1.90e-03) |" in md
     assert "## Targets" in md and md.count("need a CUDA GPU") == 1
     assert "| splitk-vs-naive" not in md and "floor-" not in md and "TFLOP/s" not in md
-    assert "CUDA-graph replays" not in md
-    assert "[2026-01-01-0000-cpu.json](2026-01-01-0000-cpu.json)" in md
+    assert "CUDA-graph replays" not in md and "History" not in md
 
 
 def test_gpu_report_keeps_its_targets_rates_and_floors(tmp_path):
     rep = _recorded("NVIDIA H200")
     assert not report.is_cpu(rep)
     path = tmp_path / "benchmarks.md"
-    report.write_markdown(rep, path, plot=None, history=[])
+    report.write_markdown(rep, path, plot=None)
     md = path.read_text()
     assert md.startswith("# Benchmarks\n") and "CUDA-graph replays" in md
+    # the latest run, dated and with its device; the suite it ran; no list of earlier runs (git has them)
+    assert "**NVIDIA H200**, 2026-01-01T00:00:00+00:00." in md and report.RESULTS_NOTE in md
+    assert "## The suite" in md and "NVIDIA H200 (sm 9.0, 132 SMs, 139.8 GiB)" in md
+    assert "2 (1 attention, 1 selection)" in md and "Checked: 3 of 4 routes and baselines passed." in md
+    assert "History" not in md
     assert "| target | value | goal | met | note |" in md and "| splitk-vs-naive-prefill-64k |" in md
     assert "| TFLOP/s |" in md and "| tiny-prefill | floor-flops |" in md
 

@@ -7,7 +7,15 @@ import sys
 import pytest
 import torch
 
-from qsa import demo, indexer, verify
+import qsa
+import qsa.attention.reference
+import qsa.backend
+import qsa.cli.demo
+import qsa.cli.verify
+import qsa.model.layer
+import qsa.model.serving
+import qsa.selection.api
+import qsa.settings
 
 
 def _cpu_env():
@@ -21,12 +29,12 @@ def expected_routes(lens, chunk, new_tokens) -> str:
     """The attention routes ``route="auto"`` takes for the demo's steps, worked out from the schedule: a
     prefill step of at least ``GROUPED_MIN_ROWS`` rows is grouped in groups of ``GROUP_ROWS`` with its
     leftover rows on xqa, a smaller one is xqa, and so is every decode step; in the demo's words."""
-    from qsa import routes, serving
+    import qsa
 
     prefill = {"grouped": 0, "xqa": 0}
-    for step in serving.prefill_schedule(lens, chunk):
+    for step in qsa.model.serving.prefill_schedule(lens, chunk):
         rows = sum(c.end - c.start for c in step)
-        grouped = rows // routes.GROUP_ROWS * routes.GROUP_ROWS if rows >= routes.GROUPED_MIN_ROWS else 0
+        grouped = rows // qsa.settings.GROUP_ROWS * qsa.settings.GROUP_ROWS if rows >= qsa.settings.GROUPED_MIN_ROWS else 0
         prefill["grouped"] += grouped > 0
         prefill["xqa"] += rows > grouped
 
@@ -73,7 +81,7 @@ def test_demo_cli_cpu_runs_the_kernels():
 
 def test_the_kernel_check_rejects_a_demo_that_ran_the_reference(capsys):
     """The check above fails on the output of a demo whose attention ran the PyTorch reference."""
-    status = demo.main(["--device", "cpu", "--route", "reference", *SMALL_DEMO, "--no-warmup"])
+    status = qsa.cli.demo.main(["--device", "cpu", "--route", "reference", *SMALL_DEMO, "--no-warmup"])
     out = capsys.readouterr().out
     assert status == 0, out
     assert "routes run (each of runs A and B): reference 2 prefill steps + 2 decode steps; selection and cache " \
@@ -88,19 +96,19 @@ def test_the_kernel_check_rejects_a_demo_that_ran_the_reference(capsys):
 def test_demo_reports_the_fallback_of_a_broken_interpreter(monkeypatch, capsys):
     """An interpreter that cannot run the kernels (the probe failed): auto runs the reference, the demo
     reports that it did, and a forced route is refused with the reason (exit status 2)."""
-    from qsa import routes
+    import qsa
 
     reason = "the Triton interpreter cannot run qsa's kernels (probe failed); pip install 'numpy<2.4'"
-    monkeypatch.setattr(routes, "interpreter_problem", lambda: reason)
-    monkeypatch.setattr(routes, "_logged", set())
-    assert demo.main(["--device", "cpu", "--requests", "2", "--prompt-len", "20", "--new-tokens", "2"]) == 0
+    monkeypatch.setattr(qsa.backend, "interpreter_problem", lambda: reason)
+    monkeypatch.setattr(qsa.backend, "_logged", set())
+    assert qsa.cli.demo.main(["--device", "cpu", "--requests", "2", "--prompt-len", "20", "--new-tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "routes run (each of runs A and B): reference " in out and "Triton interpreter" not in out
-    assert demo.main(["--device", "cpu", "--route", "xqa"]) == 2
+    assert qsa.cli.demo.main(["--device", "cpu", "--route", "xqa"]) == 2
     assert f"qsa demo: --route xqa cannot run: {reason}" in capsys.readouterr().err
-    assert demo.main(["--device", "cpu", "--backend", "triton"]) == 2
+    assert qsa.cli.demo.main(["--device", "cpu", "--backend", "triton"]) == 2
     assert f"qsa demo: --backend triton cannot run: {reason}" in capsys.readouterr().err
-    assert verify.main(["--device", "cpu", "--route", "grouped"]) == 2
+    assert qsa.cli.verify.main(["--device", "cpu", "--route", "grouped"]) == 2
     assert f"qsa verify: --route grouped cannot run: {reason}" in capsys.readouterr().err
 
 
@@ -108,7 +116,7 @@ def _launch_counter(monkeypatch):
     """Count the attention launchers' calls by route, as :func:`qsa.run_attention` makes them."""
     from collections import Counter
 
-    from qsa import attention, reference
+    import qsa
 
     launched = Counter()
 
@@ -118,10 +126,14 @@ def _launch_counter(monkeypatch):
             return real(*args, **kwargs)
         return launch
 
-    for name, route in (("grouped_attention", "grouped"), ("xqa_attention", "xqa"), ("xqa_direct_attention", "xqa"),
-                        ("splitk_attention", "splitk"), ("invariant_attention", "invariant")):
-        monkeypatch.setattr(attention, name, counting(getattr(attention, name), route))
-    monkeypatch.setattr(reference, "reference_attention", counting(reference.reference_attention, "reference"))
+    launchers = qsa.attention
+    for module, name, route in ((launchers.grouped.launch, "grouped_attention", "grouped"),
+                                (launchers.xqa.launch, "xqa_attention", "xqa"),
+                                (launchers.xqa.launch, "xqa_direct_attention", "xqa"),
+                                (launchers.splitk.launch, "splitk_attention", "splitk"),
+                                (launchers.invariant.launch, "invariant_attention", "invariant")):
+        monkeypatch.setattr(module, name, counting(getattr(module, name), route))
+    monkeypatch.setattr(qsa.attention.reference, "reference_attention", counting(qsa.attention.reference.reference_attention, "reference"))
     return launched
 
 
@@ -130,8 +142,8 @@ def _generate_counting(monkeypatch, route):
     steps) on a 2-layer model; returns the result and the kernels launched in each step."""
     from collections import Counter
 
-    from qsa.model import TinyConfig, TinyQSAModel
-    from qsa.serving import Engine, ServingConfig
+    from qsa.model.tiny import TinyConfig, TinyQSAModel
+    from qsa.model.serving import Engine, ServingConfig
 
     launched = _launch_counter(monkeypatch)
     model = TinyQSAModel(TinyConfig.small(num_layers=2), device="cpu")
@@ -164,7 +176,7 @@ def test_step_records_are_the_kernels_launched(route, monkeypatch):
     if route == "auto":
         assert [s.routes for s in res.steps] == [{"grouped": 2, "xqa": 2}, {"xqa": 2}, {"xqa": 2}, {"xqa": 2}]
         assert res.route_steps() == {"grouped": {"prefill": 1, "decode": 0}, "xqa": {"prefill": 2, "decode": 2}}
-        assert demo.routes_run(res) == "grouped 1 prefill step, xqa 2 prefill steps + 2 decode steps"
+        assert qsa.cli.demo.routes_run(res) == "grouped 1 prefill step, xqa 2 prefill steps + 2 decode steps"
     else:
         assert res.route_steps() == {route: {"prefill": 2, "decode": 2}}
     assert res.backends() == {"torch"}
@@ -173,9 +185,9 @@ def test_step_records_are_the_kernels_launched(route, monkeypatch):
 def test_a_tally_of_the_admitted_route_is_rejected(monkeypatch):
     """Recording the route admission named (grouped) instead of the kernels launched misses the xqa rows of
     the mixed prefill step: the check fails."""
-    from qsa import layer
+    import qsa
 
-    monkeypatch.setattr(layer, "routes_launched", lambda plan: (plan.routes.route,))
+    monkeypatch.setattr(qsa.model.layer, "routes_launched", lambda plan: (plan.routes.route,))
     res, per_step = _generate_counting(monkeypatch, "auto")
     assert len(tally_mismatches(res, per_step)) == 1
 
@@ -184,7 +196,7 @@ def test_demo_physical_order_shows_the_defect(capfd):
     """Under the interpreter: the logical plan stays bitwise equal across placements, the physical one
     does not (the grouped kernel runs: 64-row chunks). On a machine with a GPU the CPU demo reruns
     itself with the interpreter on (hence capfd)."""
-    status = demo.main(["--device", "cpu", "--plan-order", "physical", "--requests", "1", "--prompt-len", "128",
+    status = qsa.cli.demo.main(["--device", "cpu", "--plan-order", "physical", "--requests", "1", "--prompt-len", "128",
                         "--new-tokens", "2"])
     out = capfd.readouterr().out
     assert status == 0, out
@@ -195,7 +207,7 @@ def test_demo_physical_order_shows_the_defect(capfd):
 
 def test_demo_fails_on_a_placement_dependent_defect(monkeypatch, capsys):
     """A selection that (wrongly) depends on physical block ids makes the demo exit 1."""
-    real = indexer._select_tokens_torch
+    real = qsa.selection.api._select_tokens_torch
 
     def placement_dependent(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, *, k):
         out = real(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, k=k)
@@ -204,8 +216,8 @@ def test_demo_fails_on_a_placement_dependent_defect(monkeypatch, capsys):
         page = block_table.long()[req, (out.long().clamp(min=0) // bs)]
         return torch.where((page % 3 == 0) & (out > 0), -1, out)
 
-    monkeypatch.setattr(indexer, "_select_tokens_torch", placement_dependent)
-    status = demo.main(["--device", "cpu", "--route", "reference", "--requests", "2", "--prompt-len", "40", "--new-tokens", "2",
+    monkeypatch.setattr(qsa.selection.api, "_select_tokens_torch", placement_dependent)
+    status = qsa.cli.demo.main(["--device", "cpu", "--route", "reference", "--requests", "2", "--prompt-len", "40", "--new-tokens", "2",
                         "--chunk", "32", "--no-warmup"])
     out = capsys.readouterr().out
     assert status == 1
@@ -220,7 +232,7 @@ def test_demo_fails_on_a_placement_dependent_defect(monkeypatch, capsys):
     ("verify", ["--sample", "-3"], "--sample"), ("verify", ["-n", "0"], "--relocations"),
     ("verify", ["--load", "/nonexistent/step.pt"], "no such file"), ("verify", ["--device", "tpu"], "--device"),
     ("demo", ["--alloc-seeds", "1", "-1"], "absolute value"), ("demo", ["--alloc-seeds", "-7", "7"], "absolute value"),
-    ("demo", ["--topk", str(indexer.MAX_K + 1), "--requests", "1"], "--topk"), ("demo", ["--topk", "0"], "--topk"),
+    ("demo", ["--topk", str(qsa.selection.api.MAX_K + 1), "--requests", "1"], "--topk"), ("demo", ["--topk", "0"], "--topk"),
     ("demo", ["--route", "reference", "--backend", "triton"], "--backend triton"),
     ("demo", ["--backend", "cuda"], "--backend"),
     ("demo", ["--seed", str(2**64)], "--seed"), ("demo", ["--seed", str(-(2**63) - 1)], "--seed"),
@@ -230,13 +242,13 @@ def test_demo_fails_on_a_placement_dependent_defect(monkeypatch, capsys):
 ])
 def test_cli_refuses_bad_arguments(cmd, args, match, capsys):
     with pytest.raises(SystemExit) as e:
-        (demo if cmd == "demo" else verify).main(["--device", "cpu", *args] if "--device" not in args else args)
+        (qsa.cli.demo if cmd == "demo" else qsa.cli.verify).main(["--device", "cpu", *args] if "--device" not in args else args)
     assert e.value.code == 2
     assert match in capsys.readouterr().err
 
 
 def test_every_demo_option_has_help():
-    actions = [a for a in demo.parser()._actions if a.dest != "help"]
+    actions = [a for a in qsa.cli.demo.parser()._actions if a.dest != "help"]
     assert len(actions) >= 16
     for action in actions:
         assert action.help and len(action.help) > 10, action.option_strings
@@ -245,7 +257,7 @@ def test_every_demo_option_has_help():
 def test_demo_refuses_to_call_one_placement_independent(capsys):
     """Seeds 1 and 5 hand a single one-block request the same block: the runs compared nothing, and the
     demo says so instead of reporting placement independence."""
-    status = demo.main(["--device", "cpu", "--route", "reference", "--requests", "1", "--prompt-len", "1",
+    status = qsa.cli.demo.main(["--device", "cpu", "--route", "reference", "--requests", "1", "--prompt-len", "1",
                         "--new-tokens", "1", "--alloc-seeds", "1", "5", "--no-warmup"])
     out = capsys.readouterr().out
     assert status == 1, out
@@ -254,7 +266,7 @@ def test_demo_refuses_to_call_one_placement_independent(capsys):
 
 def test_demo_physical_order_on_the_reference_route(capsys):
     """No Triton kernel runs on the reference route: the demo does not claim the interpreter runs them."""
-    status = demo.main(["--device", "cpu", "--route", "reference", "--plan-order", "physical", "--requests", "2",
+    status = qsa.cli.demo.main(["--device", "cpu", "--route", "reference", "--plan-order", "physical", "--requests", "2",
                         "--prompt-len", "20", "--new-tokens", "1", "--no-warmup"])
     out = capsys.readouterr().out
     assert status == 0, out
@@ -287,7 +299,7 @@ def _bad_steps(tmp_path):
 def test_verify_load_refuses_bad_files(tmp_path, capsys):
     for path, match in _bad_steps(tmp_path):
         with pytest.raises(SystemExit) as e:
-            verify.main(["--device", "cpu", "--route", "reference", "--load", path])
+            qsa.cli.verify.main(["--device", "cpu", "--route", "reference", "--load", path])
         err = capsys.readouterr().err
         assert e.value.code == 2, path
         assert f"--load {path}" in err and match in err, err
@@ -295,7 +307,7 @@ def test_verify_load_refuses_bad_files(tmp_path, capsys):
 
 def test_verify_physical_order_without_a_grouped_plan(capfd):
     """The reference route has no grouped plan: the physical order changes nothing there, and verify says so."""
-    status = verify.main(["--device", "cpu", "--route", "reference", "--plan-order", "physical", "-n", "1",
+    status = qsa.cli.verify.main(["--device", "cpu", "--route", "reference", "--plan-order", "physical", "-n", "1",
                           "--sample", "2"])
     out = capfd.readouterr().out
     assert status == 0, out
@@ -304,14 +316,14 @@ def test_verify_physical_order_without_a_grouped_plan(capfd):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_cli_cuda_without_a_gpu(capsys):
-    for module in (demo, verify):
+    for module in (qsa.cli.demo, qsa.cli.verify):
         with pytest.raises(SystemExit):
             module.main(["--device", "cuda"])
         assert "no CUDA device is available" in capsys.readouterr().err
 
 
 def test_progress_bar_prints_once_off_a_terminal(capsys):
-    bar = demo.ProgressBar("run A")
+    bar = qsa.cli.demo.ProgressBar("run A")
     for i in range(1, 6):
         bar.update(i, 5, "prefill")
     lines = capsys.readouterr().out.splitlines()
@@ -321,7 +333,7 @@ def test_progress_bar_prints_once_off_a_terminal(capsys):
 def test_verify_cpu_default(capfd):
     """The CPU default (one relocation to keep the test short): every check passes, the graph check is
     skipped on the CPU, and both the grouped and the single-row route ran."""
-    status = verify.main(["--device", "cpu", "-n", "1"])
+    status = qsa.cli.verify.main(["--device", "cpu", "-n", "1"])
     out = capfd.readouterr().out
     assert status == 0, out
     assert "72 rows grouped + 4 single-row" in out
@@ -333,18 +345,18 @@ def test_verify_cpu_default(capfd):
 def test_verify_save_load_and_exit_status(tmp_path, monkeypatch, capsys):
     path = str(tmp_path / "step.pt")
     cpu_ref = ["--device", "cpu", "--route", "reference"]
-    assert verify.main([*cpu_ref, "--save", path, "-n", "2"]) == 0
-    assert verify.main([*cpu_ref, "--load", path, "-n", "3"]) == 0
+    assert qsa.cli.verify.main([*cpu_ref, "--save", path, "-n", "2"]) == 0
+    assert qsa.cli.verify.main([*cpu_ref, "--load", path, "-n", "3"]) == 0
     assert "loaded from" in capsys.readouterr().out
 
-    real = verify._attend
+    real = qsa.cli.verify._attend
 
     def placement_dependent(step, kv, table, indices, route, order="logical", max_query_len=None):
         out, lse = real(step, kv, table, indices, route, order, max_query_len)
         return out + table[0, 0].to(out.dtype), lse
 
-    monkeypatch.setattr(verify, "_attend", placement_dependent)
-    assert verify.main([*cpu_ref, "--load", path, "-n", "3"]) == 1
+    monkeypatch.setattr(qsa.cli.verify, "_attend", placement_dependent)
+    assert qsa.cli.verify.main([*cpu_ref, "--load", path, "-n", "3"]) == 1
     out = capsys.readouterr().out
     assert "FAIL" in out and "out differ" in out
 
@@ -352,9 +364,9 @@ def test_verify_save_load_and_exit_status(tmp_path, monkeypatch, capsys):
 def test_verify_catches_the_physical_order(device):
     """fp16 data (rounding flips show more often than in bf16): with the physical-order plan a
     relocation changes the bits, and the verifier says so."""
-    step = verify.capture_step("cpu").to(device)
+    step = qsa.cli.verify.capture_step("cpu").to(device)
     step.q, step.gate, step.kv = step.q.half(), step.gate.half(), step.kv.half()
-    v = verify.Verifier(step, route="auto", plan_order="physical", sample=2, log=lambda *_: None)
+    v = qsa.cli.verify.Verifier(step, route="auto", plan_order="physical", sample=2, log=lambda *_: None)
     checks = v.relocations(1)
     assert checks[0].status == "FAIL" and "out" in checks[0].detail
 
@@ -363,30 +375,30 @@ def test_verify_batch_invariance(monkeypatch):
     """``--route invariant``: the step's rows in sub-batches (reversed, half, alone) give the whole step's bits;
     a batch-dependent attention fails the check; other routes skip it (they promise a fixed batch shape's
     bits only)."""
-    step = verify.capture_step("cpu")
-    v = verify.Verifier(step, route="invariant", sample=2, log=lambda *_: None)
+    step = qsa.cli.verify.capture_step("cpu")
+    v = qsa.cli.verify.Verifier(step, route="invariant", sample=2, log=lambda *_: None)
     c = v.batch_invariance()
     assert (c.status, c.runs) == ("ok", 4), c.detail
     base = (v.base_out, v.base_lse)
-    monkeypatch.setattr(verify, "_attend_rows", lambda step, rows, route: (
+    monkeypatch.setattr(qsa.cli.verify, "_attend_rows", lambda step, rows, route: (
         base[0][rows] + (len(rows) == 1), base[1][rows]))  # a row alone computed otherwise
     c = v.batch_invariance()
     assert c.status == "FAIL" and "alone" in c.detail
-    assert verify.Verifier(step, route="reference", sample=2, log=lambda *_: None).batch_invariance().skipped
+    assert qsa.cli.verify.Verifier(step, route="reference", sample=2, log=lambda *_: None).batch_invariance().skipped
 
 
 @pytest.mark.gpu
 def test_gpu_demo_and_verify(capsys):
     """On a GPU: the reference-shape demo with CUDA-graph decode, and verify with graph replays."""
-    assert demo.main(["--layers", "2", "--requests", "3", "--prompt-len", "3000", "--new-tokens", "16"]) == 0
+    assert qsa.cli.demo.main(["--layers", "2", "--requests", "3", "--prompt-len", "3000", "--new-tokens", "16"]) == 0
     out = capsys.readouterr().out
     assert "bitwise equal" in out
-    lens = [len(p) for p in demo._prompts(3, 3000, 4096, 0)]
-    check_kernels_ran(out, lens, demo.GPU_DEFAULTS["chunk"], 16)  # decode steps replayed from a CUDA graph
-    assert verify.main(["-n", "6"]) == 0
+    lens = [len(p) for p in qsa.cli.demo._prompts(3, 3000, 4096, 0)]
+    check_kernels_ran(out, lens, qsa.cli.demo.GPU_DEFAULTS["chunk"], 16)  # decode steps replayed from a CUDA graph
+    assert qsa.cli.verify.main(["-n", "6"]) == 0
     out = capsys.readouterr().out
     assert any(row.startswith("cuda graph replay") and " ok " in row for row in out.splitlines())
-    assert verify.main(["-n", "2", "--route", "invariant"]) == 0
+    assert qsa.cli.verify.main(["-n", "2", "--route", "invariant"]) == 0
     out = capsys.readouterr().out
     for check in ("cuda graph replay", "batch invariance"):
         assert any(row.startswith(check) and " ok " in row for row in out.splitlines()), check

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from benchmarks import dense_floor
+from benchmarks.report import slug
 
 pytestmark = pytest.mark.lab
 
@@ -88,7 +89,9 @@ def test_dense_floor_cli_writes_its_report(tmp_path, capsys, device):
     backends it lacks are recorded as failed, not timed); JSON and Markdown written; a decode scenario is
     refused."""
     assert dense_floor.main(["tiny-prefill", "--quick", "--device", device, "--out", str(tmp_path)]) == 0
-    (js,) = tmp_path.glob("dense-floor-*.json")
+    name = "cpu" if device == "cpu" else slug(torch.cuda.get_device_name())
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"dense-floor-{name}.json", f"dense-floor-{name}.md"]
+    js = tmp_path / f"dense-floor-{name}.json"
     (rec,) = json.load(open(js))["scenarios"]
     assert rec["scenario"] == "tiny-prefill" and rec["flops_executed"] > 0
     assert min(rec[k] for k in ("planner_ms", "attention_ms", "products_ms")) > 0
@@ -100,6 +103,5 @@ def test_dense_floor_cli_writes_its_report(tmp_path, capsys, device):
     if device == "cpu":
         assert by["sdpa-cudnn-16"]["median_ms"] is None and "error" in by["sdpa-cudnn-16"]
     assert "tiny-prefill" in capsys.readouterr().out
-    assert list(tmp_path.glob("dense-floor-*.md"))
     with pytest.raises(SystemExit):
         dense_floor.main(["tiny-decode", "--device", device])

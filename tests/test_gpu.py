@@ -9,9 +9,15 @@ import pytest
 import torch
 
 import qsa
-from qsa.cache import random_mapping, relocate
-from qsa.plan import PlanWorkspace
-from qsa.reference import assert_close_like_torch
+import qsa.attention.grouped.launch
+import qsa.attention.invariant.kernel
+import qsa.attention.invariant.launch
+import qsa.attention.launch
+import qsa.attention.xqa.launch
+import qsa.settings
+from qsa.cache.paged import random_mapping, relocate
+from qsa.attention.planning.plan import PlanWorkspace
+from qsa.attention.reference import assert_close_like_torch
 from qsa.utils import dependent_launch
 
 pytestmark = pytest.mark.gpu
@@ -103,13 +109,13 @@ def test_lazy_rescale_with_moving_maxima(num_q_heads, kv, monkeypatch):
     and bitwise equal without the warp-skipped multiplies (they skip multiplies by 1 only)."""
     c = qsa_case(rows=1024, context=16384, num_q_heads=num_q_heads, kv_cache_dtype=kv, seed=3)
     c["q"] = c["q"] * 8
-    cfg = qsa.routes.grouped_config(num_q_heads, 256, kv == "fp8_e4m3")
-    monkeypatch.setattr(qsa.routes, "grouped_config",
+    cfg = qsa.attention.grouped.launch.grouped_config(num_q_heads, 256, kv == "fp8_e4m3")
+    monkeypatch.setattr(qsa.attention.grouped.launch, "grouped_config",
                         lambda G, D, kv_fp8=False: dataclasses.replace(cfg, lazy_rescale=True))
     check_against_reference(c, "grouped")
     base = run(c, "grouped", return_lse=True)
-    assert qsa.attention._rescale_ptx(c["q"], cfg)
-    monkeypatch.setattr(qsa.attention, "_rescale_ptx", lambda q, cfg: False)
+    assert qsa.attention.grouped.launch.rescale_ptx(c["q"], cfg)
+    monkeypatch.setattr(qsa.attention.grouped.launch, "rescale_ptx", lambda q, cfg: False)
     out = run(c, "grouped", return_lse=True)
     assert torch.equal(base[0], out[0]) and torch.equal(base[1], out[1])
 
@@ -200,7 +206,7 @@ FP16, BF16 = torch.float16, torch.bfloat16
     (5, 1, FP16, "auto", (12, 1)), (16, 16, BF16, "auto", (24, 2))])
 def test_hint_changes_no_bit_at_real_width(rows, num_reqs, dtype, kv, heads):
     """Rows of whole blocks at 64K through the planned xqa kernel (no ``rows_sorted`` hint) and the direct
-    one (the hint): the same bits, out and LSE, at the GPU's own split counts (``routes.xqa_cut``), for
+    one (the hint): the same bits, out and LSE, at the GPU's own split counts (``qsa.attention.xqa.launch.xqa_cut``), for
     each cache dtype and per-rank head shape."""
     c = qsa_case(rows=rows, context=65536, num_reqs=num_reqs, num_q_heads=heads[0], num_kv_heads=heads[1],
                  dtype=dtype, kv_cache_dtype=kv, seed=5)
@@ -216,7 +222,7 @@ def test_direct_xqa_resolved_splits_at_real_width(splits):
     """MTP rows at 64K through the direct kernel at many split counts, each split's entries resolved before
     its loop: exact, and bitwise the same as the tile-by-tile loads. (Before the gather index was clamped,
     the software pipeline's look-ahead read past the resolved entries: 9 splits faulted on the H200.)"""
-    from qsa import attention, routes
+    import qsa
 
     c = qsa_case(rows=8, context=65536, seed=12)
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
@@ -230,8 +236,8 @@ def test_direct_xqa_resolved_splits_at_real_width(splits):
     outs = []
     for resolve in (True, False):
         out = torch.full_like(c["q"], float("nan"))
-        cfg = dataclasses.replace(routes.xqa_direct_config(6, 256, 8), resolve_split=resolve, prefetch=False)
-        attention.xqa_direct_attention(c["q"], k, v, *args, row_start=0, out=out, lse=None, gate=None,
+        cfg = dataclasses.replace(qsa.attention.xqa.launch.xqa_direct_config(6, 256, 8), resolve_split=resolve, prefetch=False)
+        qsa.attention.xqa.launch.xqa_direct_attention(c["q"], k, v, *args, row_start=0, out=out, lse=None, gate=None,
                                        softmax_scale=256 ** -0.5, k_scale=1.0, v_scale=1.0, kv_fp8=False,
                                        config=cfg, num_splits=splits)
         torch.cuda.synchronize()
@@ -243,14 +249,14 @@ def test_direct_xqa_resolved_splits_at_real_width(splits):
 @pytest.mark.parametrize("rows", [8, 5])
 def test_deferred_merge_of_rows_out_of_order_over_many_replays(rows):
     """MTP rows at 64K, shuffled, with the ``rows_sorted`` hint: every direct split finds its row out of
-    order and the deferred merge, two 128-column programs per head (``routes.merge_config``), recomputes
+    order and the deferred merge, two 128-column programs per head (``qsa.attention.launch.merge_config``), recomputes
     it. 400 CUDA-graph replays, each bitwise the output of the sorted rows: the column programs of a head
     must agree on recomputing whatever order they run in (their recomputed partials have a buffer of
     their own)."""
-    from qsa import routes
+    import qsa
 
     c = qsa_case(rows=rows, context=65536, seed=21)
-    assert routes.merge_config(17, 256, xqa_lists=rows)[0] == 128
+    assert qsa.attention.launch.merge_config(17, 256, xqa_lists=rows)[0] == 128
     hint = dict(rows_sorted=True, return_lse=True)
     base = run(c, "xqa", **hint)
     check_against_reference(c, "xqa")
@@ -312,21 +318,20 @@ def test_cuda_graph_replay_matches_eager(route):
         assert torch.equal(out, eager), "graph replay differs from eager"
 
 
-@pytest.mark.parametrize("config,ptx", [(qsa.plan.PLANNER, True), (qsa.plan.PLANNER, False),
-                                        (qsa.plan.PLANNER_FEW, True), (qsa.plan.PLANNER_SHORT, True),
-                                        (qsa.plan.PlannerConfig(layout="rows"), True),
-                                        (qsa.plan.PlannerConfig(shared_map=True, programs_per_sm=2), True),
-                                        (qsa.plan.PlannerConfig(shared_map=True, scan=512), False),
-                                        (qsa.plan.PLANNER_MAP, True),
-                                        (dataclasses.replace(qsa.plan.PLANNER_MAP, scan=2048), True)])
+@pytest.mark.parametrize("config,ptx", [(qsa.settings.PLANNER, True), (qsa.settings.PLANNER, False),
+                                        (qsa.settings.PLANNER_FEW, True), (qsa.settings.PLANNER_SHORT, True),
+                                        (qsa.settings.PlannerConfig(shared_map=True, programs_per_sm=2), True),
+                                        (qsa.settings.PlannerConfig(shared_map=True, scan=512), False),
+                                        (qsa.settings.PLANNER_MAP, True),
+                                        (dataclasses.replace(qsa.settings.PLANNER_MAP, scan=2048), True)])
 def test_planners_match_reference_at_real_width(config, ptx, monkeypatch):
     """Rows of 2051 indices (shuffled, with duplicates and wild values) over 3 requests and an
     aliased prefix page: the GPU planners equal the loop reference planners exactly (the grouped
     planner's scans with and without inline PTX, of flagged sectors or of every word)."""
-    from qsa.plan import plan_groups, plan_single_rows
-    from qsa.reference import compare_plans, reference_grouped_plan, reference_single_row_plan
+    from qsa.attention.planning.plan import plan_groups, plan_single_rows
+    from qsa.attention.planning.reference import compare_plans, reference_grouped_plan, reference_single_row_plan
 
-    monkeypatch.setattr(qsa.plan, "PTX_SCAN", ptx)
+    monkeypatch.setattr(qsa.settings, "PTX_SCAN", ptx)
 
     c = qsa_case(rows=75, context=16384, num_reqs=3, head_dim=16, seed=9)
     idx = c["indices"].clone()
@@ -356,9 +361,10 @@ def test_shared_map_planner_whole_microblocks(shipped):
     shared-memory path), partial quads mixed in, over 3 requests and an invalid table entry, at 16K and at
     the map's full width: the reference plan, the same plan again from the same workspace, and the
     workspace left zero (the default settings, and the shipped ones with their register cap)."""
-    from qsa.kernels.plan import SHARED_MAP_MICROBLOCKS as KERNEL_WIDTH
-    from qsa.plan import PLANNER_MAP, SHARED_MAP_MICROBLOCKS, PlannerConfig, PlanWorkspace, plan_groups
-    from qsa.reference import compare_plans, reference_grouped_plan
+    from qsa.attention.planning.kernels import SHARED_MAP_MICROBLOCKS as KERNEL_WIDTH
+    from qsa.attention.planning.plan import plan_groups, PlanWorkspace
+    from qsa.settings import PLANNER_MAP, PlannerConfig, SHARED_MAP_MICROBLOCKS
+    from qsa.attention.planning.reference import compare_plans, reference_grouped_plan
 
     assert KERNEL_WIDTH.value == SHARED_MAP_MICROBLOCKS
     cfg = dataclasses.replace(PLANNER_MAP if shipped else PlannerConfig(shared_map=True), programs_per_sm=1)
@@ -433,8 +439,8 @@ def test_invariant_route_at_real_size(dtype, kv, heads, head_dim):
     (1024 rows) and through the merge (64 rows, from the same rows: the same bits)."""
     c = qsa_case(rows=1024, context=32768, dtype=dtype, kv_cache_dtype=kv, num_q_heads=heads[0],
                  num_kv_heads=heads[1], head_dim=head_dim, num_reqs=3, seed=6)
-    assert qsa.routes.invariant_config(heads[0] // heads[1], head_dim).qk_halves == (head_dim >= 256)
-    assert qsa.routes.invariant_folds(1024) and not qsa.routes.invariant_folds(64 * heads[1])
+    assert qsa.attention.invariant.launch.invariant_config(heads[0] // heads[1], head_dim).qk_halves == (head_dim >= 256)
+    assert qsa.attention.invariant.launch.invariant_folds(1024) and not qsa.attention.invariant.launch.invariant_folds(64 * heads[1])
     check_against_reference(c, "invariant")
     base = run(c, "invariant", gate=c["gate"], return_lse=True)
     few = torch.arange(0, 1024, 16, device="cuda")
@@ -472,7 +478,7 @@ def test_invariant_rows_get_the_same_bits_in_any_batch():
     expect(_relocated(c, mapping), every, 0, "pages moved")
     out = torch.empty_like(c["q"])
     lse = torch.empty(c["q"].shape[:2], dtype=torch.float32, device="cuda")
-    qsa.attention.invariant_attention(c["q"], c["kv"][:, 0], c["kv"][:, 1], c["indices"], c["block_table"],
+    qsa.attention.invariant.launch.invariant_attention(c["q"], c["kv"][:, 0], c["kv"][:, 1], c["indices"], c["block_table"],
                                       c["token_to_req"], c["positions"], c["seq_lens"], out=out, lse=lse,
                                       gate=c["gate"], softmax_scale=256 ** -0.5, k_scale=1.0, v_scale=1.0,
                                       kv_fp8=False, fold=False)
@@ -482,7 +488,7 @@ def test_invariant_rows_get_the_same_bits_in_any_batch():
 def test_invariant_checks_see_a_tree_merge(monkeypatch):
     """The check above is sensitive at this size: with the splits summed by the other routes' tree merge
     instead of folded in order, rows alone (merged) differ from the same rows in a folding batch."""
-    import qsa.kernels.invariant as ki
+    import qsa
 
     c = qsa_case(rows=512, context=32768, num_reqs=2, seed=10)
     base = run(c, "invariant", gate=c["gate"], return_lse=True)
@@ -491,12 +497,12 @@ def test_invariant_checks_see_a_tree_merge(monkeypatch):
         def __getitem__(self, grid):
             def launch(part_acc, part_ml, gate, out, lse, hq, v_scale, *strides, HAS_GATE, RETURN_LSE, NUM_SPLITS,
                        **kw):
-                qsa.attention._merge(part_acc, part_ml, out=out, lse=lse if RETURN_LSE else None,
+                qsa.attention.launch.merge_splits(part_acc, part_ml, out=out, lse=lse if RETURN_LSE else None,
                                      gate=gate if HAS_GATE else None, row_offset=0, v_scale=v_scale,
                                      num_splits=NUM_SPLITS)
             return launch
 
-    monkeypatch.setattr(ki, "invariant_merge_kernel", TreeMerge())
+    monkeypatch.setattr(qsa.attention.invariant.kernel, "invariant_merge_kernel", TreeMerge())
     rows = torch.arange(0, 512, 8, device="cuda")
     out = run(_take(c, rows), "invariant", gate=c["gate"][rows], return_lse=True)
     assert not (torch.equal(out[0], base[0][rows]) and torch.equal(out[1], base[1][rows]))

@@ -10,9 +10,12 @@ import math
 import pytest
 import torch
 
-from conftest import poisoned
-from qsa import indexer as ix
-from qsa import indexer_reference as ref
+from benchmarks.baselines import torch_select_baseline
+from helpers import poisoned
+import qsa
+import qsa.selection.api
+import qsa.selection.reference
+import qsa.settings
 
 NAN, INF = float("nan"), float("inf")
 BS = 16  # the main KV cache's block size of _stage_inputs (kc_cache rows per block: BS // 4)
@@ -93,10 +96,10 @@ def test_topk_blocks_exact(device, k, path):
     s[1, :] = 2.0                                                    # a row of ties only
     config = TOPK_PATHS[path]
     out = poisoned((s.shape[0], k), torch.int32, device).fill_(12345)
-    ix._launch_topk(s.to(device), out, k, from_scores=True, visible=vis.to(device), config=config)
-    want = ref.topk_blocks_reference(s, vis, k)
+    qsa.selection.api._launch_topk(s.to(device), out, k, from_scores=True, visible=vis.to(device), config=config)
+    want = qsa.selection.reference.topk_blocks_reference(s, vis, k)
     assert torch.equal(out.cpu(), want)
-    assert torch.equal(ix.topk_blocks(s.to(device), vis.to(device), k).cpu(), want)
+    assert torch.equal(qsa.selection.api.topk_blocks(s.to(device), vis.to(device), k).cpu(), want)
 
 
 @pytest.mark.parametrize("path", list(TOPK_PATHS))
@@ -112,8 +115,8 @@ def test_topk_distinct_scores(device, path):
     config = {"tile": None, "tile_emit_chunks": dict(SINGLE_TILE=True, BLOCK_N=512, EMIT_BLOCK=32),
               "chunked": dict(SINGLE_TILE=False, BLOCK_N=64, EMIT_BLOCK=32)}[path]
     out = torch.empty(6, k, dtype=torch.int32, device=device)
-    ix._launch_topk(s.to(device), out, k, from_scores=True, visible=vis.to(device), config=config)
-    assert torch.equal(out.cpu(), ref.topk_blocks_reference(s, vis, k))
+    qsa.selection.api._launch_topk(s.to(device), out, k, from_scores=True, visible=vis.to(device), config=config)
+    assert torch.equal(out.cpu(), qsa.selection.reference.topk_blocks_reference(s, vis, k))
 
 
 def test_topk_dense_and_padding(device):
@@ -121,7 +124,7 @@ def test_topk_dense_and_padding(device):
     k, n = 6, 9
     s = special_scores(5, n, seed=3)
     vis = torch.tensor([0, 1, 5, 6, -3], dtype=torch.int32)
-    out = ix.topk_blocks(s.to(device), vis.to(device), k).cpu()
+    out = qsa.selection.api.topk_blocks(s.to(device), vis.to(device), k).cpu()
     for r, v in enumerate(vis.clamp(min=0).tolist()):
         assert out[r, :v].tolist() == list(range(v))
         assert (out[r, v:] == -1).all()
@@ -132,9 +135,9 @@ def test_topk_row_independent(device):
     k, n = 4, 33
     s = special_scores(7, n, seed=5)
     vis = torch.tensor([33, 2, 17, 4, 5, 0, 30])
-    full = ix.topk_blocks(s.to(device), vis.to(device), k).cpu()
+    full = qsa.selection.api.topk_blocks(s.to(device), vis.to(device), k).cpu()
     for r in (0, 3, 6):
-        alone = ix.topk_blocks(s[r:r + 1].to(device), vis[r:r + 1].to(device), k).cpu()
+        alone = qsa.selection.api.topk_blocks(s[r:r + 1].to(device), vis[r:r + 1].to(device), k).cpu()
         assert torch.equal(alone[0], full[r])
 
 
@@ -147,29 +150,29 @@ def test_topk_65536_blocks(device):
     s[1, 600:] = NAN
     s[2, torch.randint(0, n, (300,), generator=g)] = INF
     vis = torch.tensor([n, n - 3, 40000])
-    want = ref.topk_blocks_reference(s, vis, k)
-    assert torch.equal(ix.topk_blocks(s.to(device), vis.to(device), k).cpu(), want)
+    want = qsa.selection.reference.topk_blocks_reference(s, vis, k)
+    assert torch.equal(qsa.selection.api.topk_blocks(s.to(device), vis.to(device), k).cpu(), want)
     # the largest row held in registers (16384 blocks), same data
-    m = ix.MAX_REGISTER_TILE
+    m = qsa.settings.SELECT_MAX_REGISTER_TILE
     vis = torch.tensor([m, m - 1, 9000])
-    assert torch.equal(ix.topk_blocks(s[:, :m].to(device), vis.to(device), k).cpu(),
-                       ref.topk_blocks_reference(s[:, :m], vis, k))
+    assert torch.equal(qsa.selection.api.topk_blocks(s[:, :m].to(device), vis.to(device), k).cpu(),
+                       qsa.selection.reference.topk_blocks_reference(s[:, :m], vis, k))
 
 
 def test_topk_k2048(device):
     n, k = 5000, 2048
     s = special_scores(2, n, seed=8, levels=40)
     vis = torch.tensor([n, 2049])
-    assert torch.equal(ix.topk_blocks(s.to(device), vis.to(device), k).cpu(),
-                       ref.topk_blocks_reference(s, vis, k))
+    assert torch.equal(qsa.selection.api.topk_blocks(s.to(device), vis.to(device), k).cpu(),
+                       qsa.selection.reference.topk_blocks_reference(s, vis, k))
 
 
 def test_topk_half_precision_scores(device):
     k, n = 5, 30
     s = special_scores(4, n, seed=9).to(torch.bfloat16)
     vis = torch.tensor([30, 30, 12, 3])
-    assert torch.equal(ix.topk_blocks(s.to(device), vis.to(device), k).cpu(),
-                       ref.topk_blocks_reference(s, vis, k))
+    assert torch.equal(qsa.selection.api.topk_blocks(s.to(device), vis.to(device), k).cpu(),
+                       qsa.selection.reference.topk_blocks_reference(s, vis, k))
 
 
 # Known-wrong orderings: the checks above must be able to tell them from the right one.
@@ -208,8 +211,8 @@ def test_wrong_orderings_are_rejected(device, variant):
         [-0.0, 0.0, -0.0, -1.0, 0.0, -0.0, -2.0, -0.0, 0.0, -3.0, -0.0, 0.0],  # -0.0 == +0.0
     ])
     vis = torch.full((3,), n)
-    got = ix.topk_blocks(s.to(device), vis.to(device), k).cpu()
-    assert torch.equal(got, ref.topk_blocks_reference(s, vis, k))
+    got = qsa.selection.api.topk_blocks(s.to(device), vis.to(device), k).cpu()
+    assert torch.equal(got, qsa.selection.reference.topk_blocks_reference(s, vis, k))
     wrong = _wrong_topk(s, vis, k, variant)
     assert not torch.equal(wrong, got), variant
 
@@ -224,9 +227,9 @@ def test_tokens_from_scores_expansion(device):
     pos = torch.tensor([40, 39, 38, 37, 12, 20, 0, 3, 3, -1, 2], dtype=torch.int64)
     n = 16
     s = special_scores(req.shape[0], n, seed=4)
-    out = ix.tokens_from_scores(s.to(device), req.to(device), pos.to(device), seq.to(device), k=k).cpu()
-    vis = ref.visible_blocks_reference(req, pos, seq)
-    want = ref.expand_tokens_reference(ref.topk_blocks_reference(s, vis, k), req, pos, seq)
+    out = qsa.selection.api.tokens_from_scores(s.to(device), req.to(device), pos.to(device), seq.to(device), k=k).cpu()
+    vis = qsa.selection.reference.visible_blocks_reference(req, pos, seq)
+    want = qsa.selection.reference.expand_tokens_reference(qsa.selection.reference.topk_blocks_reference(s, vis, k), req, pos, seq)
     assert torch.equal(out, want)
     # spot checks of the contract itself
     assert out[0, 12:].tolist() == [40, -1, -1]                      # pos 40: tail is [40]
@@ -239,7 +242,7 @@ def test_tokens_from_scores_expansion(device):
 
 
 def _wrong_expand(blocks, token_to_req, positions, seq_lens, variant):
-    out = ref.expand_tokens_reference(blocks, token_to_req, positions, seq_lens)
+    out = qsa.selection.reference.expand_tokens_reference(blocks, token_to_req, positions, seq_lens)
     n_kept = (blocks >= 0).sum(1)
     for r in range(out.shape[0]):
         req, pos = int(token_to_req[r]), int(positions[r])
@@ -258,9 +261,9 @@ def test_wrong_expansions_are_rejected(device, variant):
     req = torch.tensor([0, 0, 0, 0, 1, 1], dtype=torch.int32)
     pos = torch.tensor([29, 28, 27, 26, 10, 13])
     s = special_scores(6, 8, seed=2)
-    got = ix.tokens_from_scores(s.to(device), req.to(device), pos.to(device), seq.to(device), k=k).cpu()
-    blocks = ref.topk_blocks_reference(s, ref.visible_blocks_reference(req, pos, seq), k)
-    assert torch.equal(got, ref.expand_tokens_reference(blocks, req, pos, seq))
+    got = qsa.selection.api.tokens_from_scores(s.to(device), req.to(device), pos.to(device), seq.to(device), k=k).cpu()
+    blocks = qsa.selection.reference.topk_blocks_reference(s, qsa.selection.reference.visible_blocks_reference(req, pos, seq), k)
+    assert torch.equal(got, qsa.selection.reference.expand_tokens_reference(blocks, req, pos, seq))
     assert not torch.equal(got, _wrong_expand(blocks, req, pos, seq, variant))
 
 
@@ -287,34 +290,34 @@ def _stage_inputs(dtype, *, H=4, D=128, seed=0, block_size=16, device="cpu", int
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_block_scores_exact_inputs(device, dtype):
     args = _stage_inputs(dtype, device=device)
-    got = ix.block_scores(*args, block_size=BS)
-    want = ref.block_scores_reference(*args)
+    got = qsa.selection.api.block_scores(*args, block_size=BS)
+    want = qsa.selection.reference.block_scores_reference(*args)
     assert torch.equal(got, want)
 
 
 def test_scores_cut_over_column_programs(device, monkeypatch):
     """Columns cut over several programs (as for few rows on a GPU): the same scores and selection."""
     cut = dict(BLOCK_R=16, BLOCK_N=16, n_per_prog=16, num_warps=4, num_stages=1)
-    monkeypatch.setattr(ix, "_score_config", lambda n_cols, dtype: dict(cut))
+    monkeypatch.setattr(qsa.selection.api, "_score_config", lambda n_cols, dtype: dict(cut))
     args = _stage_inputs(torch.bfloat16, device=device, seed=5)
     assert args[2].shape[1] * args[1].shape[1] > 16
-    assert torch.equal(ix.block_scores(*args, block_size=BS), ref.block_scores_reference(*args))
-    assert torch.equal(ix.select_tokens(*args, block_size=BS, k=3).cpu(), ref.select_tokens_reference(*args, k=3).cpu())
+    assert torch.equal(qsa.selection.api.block_scores(*args, block_size=BS), qsa.selection.reference.block_scores_reference(*args))
+    assert torch.equal(qsa.selection.api.select_tokens(*args, block_size=BS, k=3).cpu(), qsa.selection.reference.select_tokens_reference(*args, k=3).cpu())
 
 
 @pytest.mark.parametrize("H", [1, 3])
 def test_block_scores_head_counts(device, H):
     args = _stage_inputs(torch.bfloat16, H=H, D=64, block_size=8, device=device)
-    assert torch.equal(ix.block_scores(*args, block_size=8), ref.block_scores_reference(*args))
+    assert torch.equal(qsa.selection.api.block_scores(*args, block_size=8), qsa.selection.reference.block_scores_reference(*args))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_block_scores_rounding(device, dtype):
     """Random inputs: kernel error vs fp64 at most 2x the fp32 reference's error plus a floor."""
     args = _stage_inputs(dtype, device=device, integer=False, seed=3)
-    got = ix.block_scores(*args, block_size=BS).double().cpu()
-    exact = ref.block_scores_reference(*args, dtype=torch.float64).cpu()
-    f32 = ref.block_scores_reference(*args).double().cpu()
+    got = qsa.selection.api.block_scores(*args, block_size=BS).double().cpu()
+    exact = qsa.selection.reference.block_scores_reference(*args, dtype=torch.float64).cpu()
+    f32 = qsa.selection.reference.block_scores_reference(*args).double().cpu()
     fin = torch.isfinite(exact)
     assert torch.equal(torch.isfinite(got), fin)
     err, err32 = (got - exact)[fin].abs(), (f32 - exact)[fin].abs()
@@ -326,9 +329,9 @@ def test_block_scores_rounding(device, dtype):
 def test_select_tokens_exact(device, k):
     args = _stage_inputs(torch.bfloat16, device=device, seed=k)
     out = poisoned((args[0].shape[0], 4 * k + 3), torch.int32, device).fill_(777)
-    got = ix.select_tokens(*args, block_size=BS, k=k, out=out)
+    got = qsa.selection.api.select_tokens(*args, block_size=BS, k=k, out=out)
     assert got.data_ptr() == out.data_ptr()
-    want = ref.select_tokens_reference(*args, k=k)
+    want = qsa.selection.reference.select_tokens_reference(*args, k=k)
     assert torch.equal(got.cpu(), want.cpu())
     assert (got[7:9] == -1).all() and (got[12] == -1).all()           # padding rows
 
@@ -338,10 +341,10 @@ def test_select_tokens_non_candidates_excluded(device):
     k = 16
     args = _stage_inputs(torch.float32, device=device, seed=5)
     q, kc, bt, req, pos, seq = (t.cpu() for t in args)
-    got = ix.select_tokens(*args, block_size=BS, k=k).cpu()
-    assert torch.equal(got, ref.select_tokens_reference(*args, k=k).cpu())
+    got = qsa.selection.api.select_tokens(*args, block_size=BS, k=k).cpu()
+    assert torch.equal(got, qsa.selection.reference.select_tokens_reference(*args, k=k).cpu())
     rpb = kc.shape[1]
-    vis = ref.visible_blocks_reference(req, pos, seq)
+    vis = qsa.selection.reference.visible_blocks_reference(req, pos, seq)
     n_checked = 0
     for r in range(req.shape[0]):
         toks = got[r][got[r] >= 0]
@@ -364,9 +367,9 @@ def test_positions_past_int32_select_as_past_the_length(device):
     near = torch.where(real, lens + 10, pos)
     far = near.clone()
     far[0], far[3], far[5] = 2**63 - 1, 2**31 + 5, 2**31 - 1
-    select = functools.partial(ix.select_tokens, block_size=BS)
+    select = functools.partial(qsa.selection.api.select_tokens, block_size=BS)
     select.__name__ = "select_tokens"
-    for fn in (select, ix.torch_select_baseline, ref.select_tokens_reference):
+    for fn in (select, torch_select_baseline, qsa.selection.reference.select_tokens_reference):
         want = fn(q, kc, bt, req, near, seq, k=5)
         got = fn(q, kc, bt, req, far, seq, k=5)
         assert torch.equal(got.cpu(), want.cpu()), fn.__name__
@@ -378,12 +381,12 @@ def test_requests_past_int32_are_not_request_zero(device):
     q, kc, bt, req, pos, seq = _stage_inputs(torch.float32, device=device, seed=4)
     wide = req.long().clone()
     wide[0], wide[3] = 2**32, -2**40
-    got = ix.block_scores(q, kc, bt, wide, pos, seq, block_size=BS)
-    want = ref.block_scores_reference(q, kc, bt, wide, pos, seq)
+    got = qsa.selection.api.block_scores(q, kc, bt, wide, pos, seq, block_size=BS)
+    want = qsa.selection.reference.block_scores_reference(q, kc, bt, wide, pos, seq)
     assert torch.equal(got.cpu(), want.cpu())
     assert bool((got[[0, 3]] == -INF).all())
-    assert torch.equal(ix.select_tokens(q, kc, bt, wide, pos, seq, block_size=BS, k=3).cpu(),
-                       ref.select_tokens_reference(q, kc, bt, wide, pos, seq, k=3).cpu())
+    assert torch.equal(qsa.selection.api.select_tokens(q, kc, bt, wide, pos, seq, block_size=BS, k=3).cpu(),
+                       qsa.selection.reference.select_tokens_reference(q, kc, bt, wide, pos, seq, k=3).cpu())
 
 
 def test_select_tokens_refuses_an_out_whose_rows_overlap(device):
@@ -392,14 +395,14 @@ def test_select_tokens_refuses_an_out_whose_rows_overlap(device):
     for out in (torch.empty(width, dtype=torch.int32, device=device).expand(rows, width),
                 torch.empty(5 * rows + width, dtype=torch.int32, device=device).as_strided((rows, width), (5, 1))):
         with pytest.raises(ValueError, match="share memory"):
-            ix.select_tokens(*args, block_size=BS, k=2, out=out)
+            qsa.selection.api.select_tokens(*args, block_size=BS, k=2, out=out)
 
 
 def test_select_tokens_matches_baseline(device):
     """Tie-free random inputs: the PyTorch baseline gives the same selection."""
     args = _stage_inputs(torch.float32, device=device, integer=False, seed=7)
-    got = ix.select_tokens(*args, block_size=BS, k=5)
-    assert torch.equal(got.cpu(), ix.torch_select_baseline(*args, k=5).cpu())
+    got = qsa.selection.api.select_tokens(*args, block_size=BS, k=5)
+    assert torch.equal(got.cpu(), torch_select_baseline(*args, k=5).cpu())
 
 
 def test_padded_heads_keep_an_infinite_score(device):
@@ -412,13 +415,13 @@ def test_padded_heads_keep_an_infinite_score(device):
     kc[0, 1, 0] = 1.0
     args = (q.to(device), kc.to(device), torch.tensor([[0]], dtype=torch.int32, device=device),
             torch.tensor([0], device=device), torch.tensor([7], device=device), torch.tensor([8], device=device))
-    scores = ix.block_scores(*args, block_size=8)
+    scores = qsa.selection.api.block_scores(*args, block_size=8)
     assert scores[0, 0].item() == INF
-    assert torch.equal(scores.cpu(), ref.block_scores_reference(*args).cpu())
-    want = ref.select_tokens_reference(*args, k=1).cpu()
+    assert torch.equal(scores.cpu(), qsa.selection.reference.block_scores_reference(*args).cpu())
+    want = qsa.selection.reference.select_tokens_reference(*args, k=1).cpu()
     assert want[0, :4].tolist() == [0, 1, 2, 3]
-    assert torch.equal(ix.select_tokens(*args, block_size=8, k=1).cpu(), want)
-    assert torch.equal(ix.select_tokens(*args, block_size=8, k=1, backend="torch").cpu(), want)
+    assert torch.equal(qsa.selection.api.select_tokens(*args, block_size=8, k=1).cpu(), want)
+    assert torch.equal(qsa.selection.api.select_tokens(*args, block_size=8, k=1, backend="torch").cpu(), want)
 
 
 def test_no_request_selects_nothing(device):
@@ -429,29 +432,29 @@ def test_no_request_selects_nothing(device):
     req, pos = torch.tensor([0, 1], device=device), torch.tensor([9, 5], device=device)
     seq = torch.zeros(0, dtype=torch.int32, device=device)
     args = (q, kc, bt, req, pos, seq)
-    got = ix.select_tokens(*args, block_size=8, k=2)
+    got = qsa.selection.api.select_tokens(*args, block_size=8, k=2)
     assert bool((got == -1).all()) and got.shape == (2, 11)
-    assert torch.equal(ref.select_tokens_reference(*args, k=2), got)
-    assert torch.equal(ix.select_tokens(*args, block_size=8, k=2, backend="torch"), got)
-    cand = ref.candidate_mask_reference(kc, bt, req, pos, seq)
+    assert torch.equal(qsa.selection.reference.select_tokens_reference(*args, k=2), got)
+    assert torch.equal(qsa.selection.api.select_tokens(*args, block_size=8, k=2, backend="torch"), got)
+    cand = qsa.selection.reference.candidate_mask_reference(kc, bt, req, pos, seq)
     assert cand.shape == (2, 6) and not bool(cand.any())
-    assert ref.visible_blocks_reference(req, pos, seq).tolist() == [0, 0]
-    assert torch.equal(ref.expand_tokens_reference(torch.tensor([[0, 1], [-1, -1]], device=device), req, pos, seq), got)
-    assert torch.equal(ref.block_scores_reference(*args), ix.block_scores(*args, block_size=8))
+    assert qsa.selection.reference.visible_blocks_reference(req, pos, seq).tolist() == [0, 0]
+    assert torch.equal(qsa.selection.reference.expand_tokens_reference(torch.tensor([[0, 1], [-1, -1]], device=device), req, pos, seq), got)
+    assert torch.equal(qsa.selection.reference.block_scores_reference(*args), qsa.selection.api.block_scores(*args, block_size=8))
 
 
 def test_torch_select_baseline_edges(device):
     args = _stage_inputs(torch.float32, device=device, integer=False, seed=7)
     n_cols = args[2].shape[1] * args[1].shape[1]
     with pytest.raises(ValueError, match=rf"k must be <= n_cols .*{n_cols}"):
-        ix.torch_select_baseline(*args, k=n_cols + 1)
+        torch_select_baseline(*args, k=n_cols + 1)
     q, kc, bt, req, pos, seq = args
     # no physical block (every table entry invalid) and no request: only causal tails, or nothing
     no_blocks = (q, kc[:0], bt, req, pos, seq)
-    assert torch.equal(ix.torch_select_baseline(*no_blocks, k=3).cpu(),
-                       ix.select_tokens(*no_blocks, block_size=BS, k=3).cpu())
+    assert torch.equal(torch_select_baseline(*no_blocks, k=3).cpu(),
+                       qsa.selection.api.select_tokens(*no_blocks, block_size=BS, k=3).cpu())
     no_reqs = (q, kc, bt[:0], req, pos, seq[:0])
-    got = ix.torch_select_baseline(*no_reqs, k=3)
+    got = torch_select_baseline(*no_reqs, k=3)
     assert got.shape == (q.shape[0], 15) and bool((got == -1).all())
 
 
@@ -459,10 +462,10 @@ def test_k_may_be_a_numpy_integer(device):
     np = pytest.importorskip("numpy")
     s = special_scores(3, 10, seed=4)
     vis = torch.tensor([10, 4, 0])
-    want = ix.topk_blocks(s.to(device), vis.to(device), 3)
-    assert torch.equal(ix.topk_blocks(s.to(device), vis.to(device), np.int64(3)), want)
+    want = qsa.selection.api.topk_blocks(s.to(device), vis.to(device), 3)
+    assert torch.equal(qsa.selection.api.topk_blocks(s.to(device), vis.to(device), np.int64(3)), want)
     with pytest.raises(TypeError, match="k must be an int"):
-        ix.topk_blocks(s.to(device), vis.to(device), True)
+        qsa.selection.api.topk_blocks(s.to(device), vis.to(device), True)
 
 
 # compressed-key feeding
@@ -486,7 +489,7 @@ def test_compressed_keys_chunked_prefill_and_decode(device, dtype, transform):
     lengths = [23, 19, 0]
     g = _gen(21)
     raw = [torch.randn(L, D, generator=g) for L in lengths]
-    cache = ix.CompressedKeyCache(num_reqs * max_blocks + 1, block_size, num_reqs, dim=D, dtype=dtype,
+    cache = qsa.selection.api.CompressedKeyCache(num_reqs * max_blocks + 1, block_size, num_reqs, dim=D, dtype=dtype,
                                   device=device, transform=transform)
     cache.partial.fill_(NAN)                                        # stale slots must never be read
     perm = torch.randperm(num_reqs * max_blocks + 1, generator=g)[: num_reqs * max_blocks]
@@ -510,7 +513,7 @@ def test_compressed_keys_chunked_prefill_and_decode(device, dtype, transform):
     assert done == {0: 23, 1: 19}
     rpb = block_size // 4
     for r in (0, 1):
-        want = ref.compressed_keys_reference(raw[r], transform).to(dtype)
+        want = qsa.selection.reference.compressed_keys_reference(raw[r], transform).to(dtype)
         got = torch.stack([cache.kc_cache[int(bt[r, b // rpb]), b % rpb] for b in range(want.shape[0])])
         assert torch.equal(got.cpu(), want)
     # the open group of each request is kept
@@ -524,9 +527,9 @@ def test_compressed_keys_invalid_table_entry_skipped(device):
     partial = torch.zeros(1, 3, D, device=device)
     bt = torch.tensor([[2, -1, 9]], dtype=torch.int32, device=device)
     raw = torch.arange(12 * D, dtype=torch.float32).reshape(12, D).to(device)
-    ix.update_compressed_keys(raw, torch.zeros(12, dtype=torch.int32, device=device),
+    qsa.selection.api.update_compressed_keys(raw, torch.zeros(12, dtype=torch.int32, device=device),
                               torch.arange(12, device=device), kc, bt, partial, block_size=4)
-    assert torch.equal(kc[2, 0].cpu(), ref.compressed_keys_reference(raw.cpu())[0])
+    assert torch.equal(kc[2, 0].cpu(), qsa.selection.reference.compressed_keys_reference(raw.cpu())[0])
     assert (kc[[0, 1, 3]] == 5.0).all()
 
 
@@ -534,16 +537,16 @@ def test_compressed_keys_reference_short_sequences():
     """Fewer than 4 tokens close no group: an empty [0, D] result, not an error."""
     x = torch.arange(5 * 16, dtype=torch.float32).reshape(5, 16)
     for length in (0, 1, 3):
-        kc = ref.compressed_keys_reference(x[:length])
+        kc = qsa.selection.reference.compressed_keys_reference(x[:length])
         assert kc.shape == (0, 16) and kc.dtype == torch.float32
-    assert torch.equal(ref.compressed_keys_reference(x), x[:4].mean(0, keepdim=True))
+    assert torch.equal(qsa.selection.reference.compressed_keys_reference(x), x[:4].mean(0, keepdim=True))
 
 
 def test_compressed_key_feeding_refuses_a_zero_width(device):
     req, pos = torch.zeros(4, dtype=torch.int64, device=device), torch.arange(4, device=device)
     bt = torch.zeros(1, 1, dtype=torch.int32, device=device)
     with pytest.raises(ValueError, match="raw_k width D must be a power of two >= 1"):
-        ix.update_compressed_keys(torch.zeros(4, 0, device=device), req, pos,
+        qsa.selection.api.update_compressed_keys(torch.zeros(4, 0, device=device), req, pos,
                                   torch.zeros(2, 4, 0, device=device), bt, torch.zeros(1, 3, 0, device=device),
                                   block_size=16)
 
@@ -562,10 +565,10 @@ def test_compressed_key_feeding_refuses_a_zero_width(device):
 ])
 def test_compressed_key_cache_checks_its_geometry(change, exc, match):
     kw = dict(num_blocks=2, block_size=8, num_reqs=1, dim=16, dtype=torch.float32, device="cpu")
-    ix.CompressedKeyCache(**kw)
+    qsa.selection.api.CompressedKeyCache(**kw)
     kw.update(change)
     with pytest.raises(exc, match=match):
-        ix.CompressedKeyCache(**kw)
+        qsa.selection.api.CompressedKeyCache(**kw)
 
 
 # argument checks
@@ -574,40 +577,40 @@ def test_compressed_key_cache_checks_its_geometry(change, exc, match):
 def test_bad_arguments(device):
     q, kc, bt, req, pos, seq = _stage_inputs(torch.bfloat16, device=device)
     with pytest.raises(ValueError, match="index_q"):
-        ix.select_tokens(q[:, 0], kc, bt, req, pos, seq, block_size=BS)
+        qsa.selection.api.select_tokens(q[:, 0], kc, bt, req, pos, seq, block_size=BS)
     with pytest.raises(TypeError, match="kc_cache"):
-        ix.select_tokens(q, kc.float(), bt, req, pos, seq, block_size=BS)
+        qsa.selection.api.select_tokens(q, kc.float(), bt, req, pos, seq, block_size=BS)
     with pytest.raises(ValueError, match="kc_cache"):
-        ix.select_tokens(q, kc[..., :64], bt, req, pos, seq, block_size=BS)
+        qsa.selection.api.select_tokens(q, kc[..., :64], bt, req, pos, seq, block_size=BS)
     with pytest.raises(TypeError, match="block_table"):
-        ix.select_tokens(q, kc, bt.long(), req, pos, seq, block_size=BS)
+        qsa.selection.api.select_tokens(q, kc, bt.long(), req, pos, seq, block_size=BS)
     with pytest.raises(ValueError, match="positions"):
-        ix.select_tokens(q, kc, bt, req, pos[:-1], seq, block_size=BS)
+        qsa.selection.api.select_tokens(q, kc, bt, req, pos[:-1], seq, block_size=BS)
     with pytest.raises(TypeError, match="token_to_req"):
-        ix.select_tokens(q, kc, bt, req.float(), pos, seq, block_size=BS)
+        qsa.selection.api.select_tokens(q, kc, bt, req.float(), pos, seq, block_size=BS)
     with pytest.raises(ValueError, match="seq_lens"):
-        ix.select_tokens(q, kc, bt, req, pos, seq[:-1], block_size=BS)
+        qsa.selection.api.select_tokens(q, kc, bt, req, pos, seq[:-1], block_size=BS)
     with pytest.raises(ValueError, match="k must be"):
-        ix.select_tokens(q, kc, bt, req, pos, seq, block_size=BS, k=0)
+        qsa.selection.api.select_tokens(q, kc, bt, req, pos, seq, block_size=BS, k=0)
     with pytest.raises(ValueError, match="k must be"):
-        ix.topk_blocks(torch.zeros(2, 4, device=device), torch.zeros(2, dtype=torch.int32, device=device), 2049)
+        qsa.selection.api.topk_blocks(torch.zeros(2, 4, device=device), torch.zeros(2, dtype=torch.int32, device=device), 2049)
     with pytest.raises(TypeError, match="k must be"):
-        ix.topk_blocks(torch.zeros(2, 4, device=device), torch.zeros(2, dtype=torch.int32, device=device), 2.0)
+        qsa.selection.api.topk_blocks(torch.zeros(2, 4, device=device), torch.zeros(2, dtype=torch.int32, device=device), 2.0)
     with pytest.raises(ValueError, match="visible"):
-        ix.topk_blocks(torch.zeros(2, 4, device=device), torch.zeros(3, dtype=torch.int32, device=device), 2)
+        qsa.selection.api.topk_blocks(torch.zeros(2, 4, device=device), torch.zeros(3, dtype=torch.int32, device=device), 2)
     with pytest.raises(TypeError, match="scores"):
-        ix.topk_blocks(torch.zeros(2, 4, dtype=torch.int32, device=device),
+        qsa.selection.api.topk_blocks(torch.zeros(2, 4, dtype=torch.int32, device=device),
                        torch.zeros(2, dtype=torch.int32, device=device), 2)
     with pytest.raises(ValueError, match="out"):
-        ix.select_tokens(q, kc, bt, req, pos, seq, block_size=BS, k=2,
+        qsa.selection.api.select_tokens(q, kc, bt, req, pos, seq, block_size=BS, k=2,
                          out=torch.empty(3, 11, dtype=torch.int32, device=device))
     with pytest.raises(ValueError, match="partial"):
-        ix.update_compressed_keys(torch.zeros(4, 128, device=device), req[:4], pos[:4],
+        qsa.selection.api.update_compressed_keys(torch.zeros(4, 128, device=device), req[:4], pos[:4],
                                   kc, bt, torch.zeros(3, 4, 128, device=device), block_size=BS)
     with pytest.raises(TypeError, match="index_q must be a torch.Tensor"):
-        ix.select_tokens(q.tolist(), kc, bt, req, pos, seq, block_size=BS)
+        qsa.selection.api.select_tokens(q.tolist(), kc, bt, req, pos, seq, block_size=BS)
     with pytest.raises(TypeError, match="transform must be callable or None, got int"):
-        ix.update_compressed_keys(torch.zeros(4, 128, device=device), req[:4], pos[:4], kc.float(), bt,
+        qsa.selection.api.update_compressed_keys(torch.zeros(4, 128, device=device), req[:4], pos[:4], kc.float(), bt,
                                   torch.zeros(bt.shape[0], 3, 128, device=device), block_size=BS, transform=3)
 
 
@@ -626,9 +629,9 @@ def test_gpu_topk_production(n):
     vis = torch.randint(-1, n + 2, (rows,), generator=g)
     vis[:6] = torch.tensor([0, 1, k - 1, k, k + 1, n])
     s, vis = s.cuda(), vis.cuda()
-    want = ref.topk_blocks_reference(s, vis, k)
-    assert torch.equal(ix.topk_blocks(s, vis, k), want)
-    assert torch.equal(ix.topk_blocks(s, vis, k), want)             # run to run
+    want = qsa.selection.reference.topk_blocks_reference(s, vis, k)
+    assert torch.equal(qsa.selection.api.topk_blocks(s, vis, k), want)
+    assert torch.equal(qsa.selection.api.topk_blocks(s, vis, k), want)             # run to run
 
 
 def _gpu_stage(rows, n_blocks, *, num_reqs=3, block_size=64, seed=0, integer=True):
@@ -657,28 +660,28 @@ def _gpu_stage(rows, n_blocks, *, num_reqs=3, block_size=64, seed=0, integer=Tru
 @pytest.mark.gpu
 def test_gpu_select_tokens_exact():
     args = _gpu_stage(1031, 8192, seed=1)
-    got = ix.select_tokens(*args, block_size=64, k=512)
-    assert torch.equal(got, ref.select_tokens_reference(*args, k=512))
-    assert torch.equal(got, ix.select_tokens(*args, block_size=64, k=512))
+    got = qsa.selection.api.select_tokens(*args, block_size=64, k=512)
+    assert torch.equal(got, qsa.selection.reference.select_tokens_reference(*args, k=512))
+    assert torch.equal(got, qsa.selection.api.select_tokens(*args, block_size=64, k=512))
 
 
 @pytest.mark.gpu
 def test_gpu_scores_rounding():
     args = _gpu_stage(300, 4096, seed=2, integer=False)
-    got = ix.block_scores(*args, block_size=64).double()
-    exact = ref.block_scores_reference(*args, dtype=torch.float64)
-    f32 = ref.block_scores_reference(*args).double()
+    got = qsa.selection.api.block_scores(*args, block_size=64).double()
+    exact = qsa.selection.reference.block_scores_reference(*args, dtype=torch.float64)
+    f32 = qsa.selection.reference.block_scores_reference(*args).double()
     fin = torch.isfinite(exact)
     assert torch.equal(torch.isfinite(got), fin)
     floor = 4 * torch.finfo(torch.float32).eps * exact[fin].abs().max()
     assert (got - exact)[fin].abs().max() <= 2 * (f32 - exact)[fin].abs().max() + floor
     # top-k + expansion on the kernel's own scores is bitwise the reference's
     q, kc, bt, req, pos, seq = args
-    cand = ref.candidate_mask_reference(kc, bt, req, pos, seq)
-    vis = ref.visible_blocks_reference(req, pos, seq)
-    blocks = ref.topk_blocks_reference(got.float(), vis, 512, candidates=cand)
-    assert torch.equal(ix.select_tokens(*args, block_size=64, k=512),
-                       ref.expand_tokens_reference(blocks, req, pos, seq))
+    cand = qsa.selection.reference.candidate_mask_reference(kc, bt, req, pos, seq)
+    vis = qsa.selection.reference.visible_blocks_reference(req, pos, seq)
+    blocks = qsa.selection.reference.topk_blocks_reference(got.float(), vis, 512, candidates=cand)
+    assert torch.equal(qsa.selection.api.select_tokens(*args, block_size=64, k=512),
+                       qsa.selection.reference.expand_tokens_reference(blocks, req, pos, seq))
 
 
 @pytest.mark.gpu
@@ -686,19 +689,19 @@ def test_gpu_cuda_graph_replay():
     k = 512
     a = _gpu_stage(515, 8192, seed=3)
     static = [t.clone() for t in a]
-    ix.select_tokens(*static, block_size=64, k=k)                    # compile outside the capture
+    qsa.selection.api.select_tokens(*static, block_size=64, k=k)                    # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ix.select_tokens(*static, block_size=64, k=k)
+        out = qsa.selection.api.select_tokens(*static, block_size=64, k=k)
     for seed in (4, 5):
         b = _gpu_stage(515, 8192, seed=seed)
         for dst, src in zip(static, b):
             dst.copy_(src)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(out, ix.select_tokens(*b, block_size=64, k=k))
-        assert torch.equal(out, ref.select_tokens_reference(*b, k=k))
+        assert torch.equal(out, qsa.selection.api.select_tokens(*b, block_size=64, k=k))
+        assert torch.equal(out, qsa.selection.reference.select_tokens_reference(*b, k=k))
 
 
 @pytest.mark.gpu
@@ -706,13 +709,13 @@ def test_gpu_cuda_graph_topk_replay():
     rows, n, k = 129, 16384, 512
     s = torch.randn(rows, n, device="cuda")
     vis = torch.full((rows,), n, device="cuda")
-    ix.topk_blocks(s, vis, k)
+    qsa.selection.api.topk_blocks(s, vis, k)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = ix.topk_blocks(s, vis, k)
+        out = qsa.selection.api.topk_blocks(s, vis, k)
     for seed in (1, 2):
         g = torch.Generator(device="cuda").manual_seed(seed)
         s.copy_(torch.randint(0, 50, (rows, n), device="cuda", generator=g).float())
         vis.copy_(torch.randint(-1, n + 1, (rows,), device="cuda", generator=g))
         graph.replay()
-        assert torch.equal(out, ref.topk_blocks_reference(s, vis, k))
+        assert torch.equal(out, qsa.selection.reference.topk_blocks_reference(s, vis, k))

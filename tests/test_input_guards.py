@@ -13,11 +13,13 @@ import pytest
 import torch
 
 import qsa
-from conftest import HAS_CUDA
-from qsa import api, ops
-from qsa import indexer as ix
-from qsa import indexer_reference as iref
-from qsa.reference import make_attention_case, reference_attention
+import qsa.attention.api
+import qsa.model.ops
+import qsa.selection.api
+import qsa.selection.reference
+from helpers import HAS_CUDA
+from helpers import make_attention_case
+from qsa.attention.reference import reference_attention
 
 NAN = float("nan")
 
@@ -61,18 +63,18 @@ def test_plan_inputs_are_a_typed_record(device):
     a, _ = _two_cases(device)
     plan = _plan(a, "xqa")
     inputs = plan.inputs
-    assert isinstance(inputs, api.PlanInputs)
+    assert isinstance(inputs, qsa.attention.api.PlanInputs)
     assert inputs.indices is a.indices and inputs.seq_lens is a.seq_lens
     assert tuple(inputs) == (a.indices, a.block_table, a.token_to_req, a.positions, a.seq_lens)
     assert inputs[1] is a.block_table and len(inputs) == 5
     assert inputs.versions == tuple(t._version for t in inputs)
     # a tuple given to the plan (dataclasses.replace, a hand-built plan) becomes the record
     moved = dataclasses.replace(plan, inputs=tuple(inputs))
-    assert isinstance(moved.inputs, api.PlanInputs) and moved.inputs.positions is a.positions
+    assert isinstance(moved.inputs, qsa.attention.api.PlanInputs) and moved.inputs.positions is a.positions
 
 
 @pytest.mark.parametrize("route", ["xqa", "grouped", "splitk", "invariant", "reference"])
-@pytest.mark.parametrize("name", api.PlanInputs.NAMES)
+@pytest.mark.parametrize("name", qsa.attention.api.PlanInputs.NAMES)
 def test_run_refuses_a_plan_whose_inputs_changed(device, route, name):
     a, _ = _two_cases(device)
     plan = _plan(a, route)
@@ -96,7 +98,7 @@ def test_a_stale_plan_gives_a_wrong_answer_without_the_check(device, monkeypatch
         with pytest.raises(ValueError, match="indices was modified in place"):
             _run(plan, a)
         with monkeypatch.context() as m:
-            m.setattr(api.PlanInputs, "check_unchanged", lambda self: None)
+            m.setattr(qsa.attention.api.PlanInputs, "check_unchanged", lambda self: None)
             stale = _run(plan, a)
         err = (stale.double() - _reference(b).double()).abs().max().item()
         assert err > 0.05, (route, err)
@@ -131,10 +133,10 @@ def test_custom_op_and_fake_tensors_still_plan_and_run(device):
 
     a, _ = _two_cases(device)
     want = a.run(qsa.sparse_paged_attention, route="xqa")
-    assert torch.equal(a.run(ops.sparse_paged_attention, route="xqa"), want)
+    assert torch.equal(a.run(qsa.model.ops.sparse_paged_attention, route="xqa"), want)
     with FakeTensorMode():
         t = torch.empty(3, dtype=torch.int32)
-        rec = api.PlanInputs(t, t[None], t, t.long(), t)
+        rec = qsa.attention.api.PlanInputs(t, t[None], t, t.long(), t)
         assert rec.versions == (0, 0, 0, 0, 0)
         rec.check_unchanged()
 
@@ -239,7 +241,7 @@ def _rope_like(kc, block_idx):
 @pytest.mark.parametrize("track,transform", [(True, None), (False, None), (True, _rope_like)])
 def test_shuffled_rows_give_the_in_order_keys_bitwise(device, backend, track, transform):
     raw, steps = _feed_steps()
-    update = functools.partial(ix.update_compressed_keys, backend=backend)
+    update = functools.partial(qsa.selection.api.update_compressed_keys, backend=backend)
     in_order = _feed(update, steps, device, track=track, transform=transform)
     for seed in (1, 2):
         shuffled = _feed(update, [_shuffled(s, seed + i) for i, s in enumerate(steps)], device, track=track,
@@ -247,7 +249,7 @@ def test_shuffled_rows_give_the_in_order_keys_bitwise(device, backend, track, tr
         assert _same_state(shuffled, in_order), seed
     kc, partial, nxt, bt = in_order
     for r, x in enumerate(raw):
-        want = iref.compressed_keys_reference(x, transform)
+        want = qsa.selection.reference.compressed_keys_reference(x, transform)
         assert torch.equal(_keys_of(kc, bt, r, want.shape[0]), want), r
         open_ = x.shape[0] % 4
         assert torch.equal(partial[r, :open_], x[x.shape[0] - open_:]), r
@@ -258,10 +260,10 @@ def test_shuffled_rows_give_the_in_order_keys_bitwise(device, backend, track, tr
 def test_both_backends_and_the_op_write_the_same_bits(device):
     raw, steps = _feed_steps(seed=3)
     steps = [_shuffled(s, 10 + i) for i, s in enumerate(steps)]
-    got = [_feed(functools.partial(ix.update_compressed_keys, backend=b), steps, device) for b in ("torch", "triton")]
+    got = [_feed(functools.partial(qsa.selection.api.update_compressed_keys, backend=b), steps, device) for b in ("torch", "triton")]
     assert _same_state(got[0], got[1])
     w = torch.randn(D, generator=_gen(4)) * 0.1
-    via_op = [_feed(functools.partial(ops.update_compressed_keys, norm_weight=w.to(device), rotary_dim=8,
+    via_op = [_feed(functools.partial(qsa.model.ops.update_compressed_keys, norm_weight=w.to(device), rotary_dim=8,
                                       backend=b), steps, device) for b in ("torch", "triton")]
     assert _same_state(via_op[0], via_op[1])
 
@@ -303,7 +305,7 @@ def test_the_adjacency_assumption_is_rejected_by_the_shuffled_test():
     """The former algorithm is right on rows in order and wrong on the same rows shuffled: the shuffled
     comparison above rejects it."""
     _, steps = _feed_steps()
-    in_order = _feed(ix.update_compressed_keys, steps, "cpu", track=False)
+    in_order = _feed(qsa.selection.api.update_compressed_keys, steps, "cpu", track=False)
     assert _same_state(_feed(_old_adjacent_update, steps, "cpu", track=False), in_order)
     shuffled = _feed(_old_adjacent_update, [_shuffled(s, 1 + i) for i, s in enumerate(steps)], "cpu", track=False)
     assert not _same_state(shuffled, in_order)
@@ -312,7 +314,7 @@ def test_the_adjacency_assumption_is_rejected_by_the_shuffled_test():
 
 
 def _cache(device):
-    return ix.CompressedKeyCache(6, BS, 2, dim=D, dtype=torch.float32, device=device)
+    return qsa.selection.api.CompressedKeyCache(6, BS, 2, dim=D, dtype=torch.float32, device=device)
 
 
 def _bt(device):
@@ -341,7 +343,7 @@ def test_a_first_row_at_position_2_is_refused_at_once(device, backend):
 def test_the_gpu_path_records_refusals_for_check(device, monkeypatch):
     """The kernel path on a GPU does not synchronise: refused groups are skipped and counted on the device,
     and ``check()`` raises the same ValueError (here forced on the CPU interpreter)."""
-    monkeypatch.setattr(ix, "_refuses_at_once", lambda backend, dev: False)
+    monkeypatch.setattr(qsa.selection.api, "_refuses_at_once", lambda backend, dev: False)
     c = _cache(device)
     c.partial.fill_(5.0)
     raw = torch.randn(4, D, generator=_gen(2)).to(device)
@@ -369,8 +371,8 @@ def test_without_the_check_a_stale_group_is_written():
     raw = torch.randn(2, D, generator=_gen(3))
     args = (raw, _t([0, 0], "cpu", torch.int32), _t([2, 3], "cpu"), c.kc_cache, _bt("cpu"), c.partial.fill_(5.0))
     with pytest.raises(ValueError, match="refused position 2 of request 0"):
-        ix.update_compressed_keys(*args, block_size=BS, next_pos=c.next_pos)
-    ix.update_compressed_keys(*args, block_size=BS)
+        qsa.selection.api.update_compressed_keys(*args, block_size=BS, next_pos=c.next_pos)
+    qsa.selection.api.update_compressed_keys(*args, block_size=BS)
     written = c.kc_cache[3, 0]
     assert torch.equal(written, (((torch.full((D,), 5.0) + 5.0) + raw[0]) + raw[1]) * 0.25)
 
@@ -393,7 +395,7 @@ def test_gaps_prefix_hits_and_resets(device, backend):
     raw = torch.randn(8, D, generator=_gen(4)).to(device)
     # a prefix-cache hit of whole groups: the first step starts at position 8 (block 2), accepted
     c.update(raw[:5], _t([1] * 5, device, torch.int32), _t([8, 9, 10, 11, 12], device), bt, backend=backend)
-    assert torch.equal(c.kc_cache[int(bt[1, 1]), 0].cpu(), iref.compressed_keys_reference(raw[:4].cpu())[0])
+    assert torch.equal(c.kc_cache[int(bt[1, 1]), 0].cpu(), qsa.selection.reference.compressed_keys_reference(raw[:4].cpu())[0])
     assert c.next_pos.tolist() == [0, 13]
     # a gap inside a step: position 14 of request 1 misses position 13
     _refused(c, device, backend, "refused position 14 of request 1",
@@ -435,13 +437,13 @@ def test_feeding_checks_its_state_tensors(device, monkeypatch):
                             "next_pos must be contiguous"),
                            (dict(refusals=torch.zeros(2, dtype=torch.int64, device=device)), ValueError, "refusals")):
         with pytest.raises(exc, match=match):
-            ix.update_compressed_keys(*args, block_size=BS, **kw)
+            qsa.selection.api.update_compressed_keys(*args, block_size=BS, **kw)
     # without the shape check, a next_pos shorter than the table is indexed out of bounds
     short = torch.zeros(1, dtype=torch.int64)
     cpu_args = (torch.zeros(2, D), _t([1, 1], "cpu"), _t([0, 1], "cpu"), c.kc_cache.cpu(), _bt("cpu"), c.partial.cpu())
-    monkeypatch.setattr(ix, "check_tensor", lambda *a, **k: None)
+    monkeypatch.setattr(qsa.selection.api, "check_tensor", lambda *a, **k: None)
     with pytest.raises(IndexError):
-        ix.update_compressed_keys(*cpu_args, block_size=BS, next_pos=short, backend="torch")
+        qsa.selection.api.update_compressed_keys(*cpu_args, block_size=BS, next_pos=short, backend="torch")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -461,7 +463,7 @@ def _selection_args(device, rows_per_block=3, seed=0):
 def test_a_kc_cache_of_another_block_size_is_refused(device, monkeypatch):
     args = _selection_args(device)
     match = r"kc_cache must have block_size // 4 = 4 rows per block \(block_size=16\), got shape \(7, 3, 16\)"
-    for fn in (ix.select_tokens, ix.block_scores, ops.select_tokens):
+    for fn in (qsa.selection.api.select_tokens, qsa.selection.api.block_scores, qsa.model.ops.select_tokens):
         with pytest.raises(ValueError, match=match):
             fn(*args, block_size=16)
         with pytest.raises(TypeError, match="block_size"):
@@ -469,20 +471,20 @@ def test_a_kc_cache_of_another_block_size_is_refused(device, monkeypatch):
         with pytest.raises(ValueError, match="block_size .* must be a positive multiple of 4"):
             fn(*args, block_size=14)
     raw = torch.zeros(2, 16, device=device)
-    for fn in (ix.update_compressed_keys, ops.update_compressed_keys):
+    for fn in (qsa.selection.api.update_compressed_keys, qsa.model.ops.update_compressed_keys):
         with pytest.raises(ValueError, match=match):
             fn(raw, args[3][:2], args[4][:2], args[1], args[2], torch.zeros(2, 3, 16, device=device), block_size=16)
     # what the check prevents: the old inference read this cache as block size 12 and selected silently
-    monkeypatch.setattr(ix, "_check_block_size", lambda block_size, kc: block_size)
-    ix.select_tokens(*args, block_size=16, k=2)
+    monkeypatch.setattr(qsa.selection.api, "_check_block_size", lambda block_size, kc: block_size)
+    qsa.selection.api.select_tokens(*args, block_size=16, k=2)
 
 
 def test_the_right_block_size_is_accepted_and_the_cache_knows_its_own(device):
     q, kc, bt, req, pos, seq = _selection_args(device, rows_per_block=4)
-    want = iref.select_tokens_reference(q, kc, bt, req, pos, seq, k=3)
-    assert torch.equal(ix.select_tokens(q, kc, bt, req, pos, seq, block_size=16, k=3), want)
-    assert torch.equal(ops.select_tokens(q, kc, bt, req, pos, seq, block_size=16, k=3, backend="torch"), want)
-    c = ix.CompressedKeyCache(7, 16, 2, dim=16, dtype=torch.float32, device=device)
+    want = qsa.selection.reference.select_tokens_reference(q, kc, bt, req, pos, seq, k=3)
+    assert torch.equal(qsa.selection.api.select_tokens(q, kc, bt, req, pos, seq, block_size=16, k=3), want)
+    assert torch.equal(qsa.model.ops.select_tokens(q, kc, bt, req, pos, seq, block_size=16, k=3, backend="torch"), want)
+    c = qsa.selection.api.CompressedKeyCache(7, 16, 2, dim=16, dtype=torch.float32, device=device)
     c.kc_cache.copy_(kc)
     assert c.block_size == 16 and torch.equal(c.select(q, bt, req, pos, seq, k=3), want)
 
@@ -502,7 +504,7 @@ def test_inputs_that_require_grad_are_refused(device, what):
     setattr(c, what, getattr(c, what).clone().requires_grad_(True))
     plan = _plan(c, "xqa")
     match = rf"{what} requires grad, but qsa attention is forward-only.*torch.no_grad\(\)"
-    for call in (lambda: c.run(qsa.sparse_paged_attention), lambda: c.run(ops.sparse_paged_attention),
+    for call in (lambda: c.run(qsa.sparse_paged_attention), lambda: c.run(qsa.model.ops.sparse_paged_attention),
                  lambda: _run(plan, c)):
         with pytest.raises(ValueError, match=match):
             call()
@@ -511,7 +513,7 @@ def test_inputs_that_require_grad_are_refused(device, what):
         assert torch.equal(c.run(qsa.sparse_paged_attention), want)
         assert torch.equal(_run(plan, c), want)
     with torch.inference_mode():
-        assert torch.equal(c.run(ops.sparse_paged_attention), want)
+        assert torch.equal(c.run(qsa.model.ops.sparse_paged_attention), want)
     detached = dataclasses.replace(c, **{what: getattr(c, what).detach()})
     assert torch.equal(detached.run(qsa.sparse_paged_attention), want)
 
@@ -519,14 +521,14 @@ def test_inputs_that_require_grad_are_refused(device, what):
 def test_without_the_check_the_output_is_silently_detached(device, monkeypatch):
     c = _grad_case(device)
     c.q = c.q.clone().requires_grad_(True)
-    monkeypatch.setattr(api, "check_forward_only", lambda *a, **k: None)
+    monkeypatch.setattr(qsa.attention.api, "check_forward_only", lambda *a, **k: None)
     out = c.run(qsa.sparse_paged_attention)
     assert not out.requires_grad and out.grad_fn is None  # a loss on it would never reach q
 
 
 def test_the_layer_refuses_grad_too():
     """The layer's attention goes through the same checks (its weights never require grad; x may)."""
-    from qsa.layer import QSAAttention, QSAConfig, StepMetadata
+    from qsa.model.layer import QSAAttention, QSAConfig, StepMetadata
 
     cfg = QSAConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=8, index_heads=4,
                     index_head_dim=16, index_rotary_dim=8, index_topk=4, rope_theta=10000.0)
@@ -561,17 +563,17 @@ def test_constructors_default_to_torch_default_device():
     alloc = qsa.BlockAllocator(8, 8)
     alloc.allocate("a", 10)
     makers = {
-        "CompressedKeyCache": lambda: ix.CompressedKeyCache(4, 8, 2, dim=16),
+        "CompressedKeyCache": lambda: qsa.selection.api.CompressedKeyCache(4, 8, 2, dim=16),
         "allocate_kv_cache": lambda: qsa.allocate_kv_cache(4, 8, 1, 16),
         "BlockAllocator.block_table": lambda: alloc.block_table(["a"]),
         "BlockAllocator.slot_mapping": lambda: alloc.slot_mapping("a", 0, 5),
     }
     for name, make in makers.items():
         assert _follows_default_device(make), name
-    c = ix.CompressedKeyCache(4, 8, 2, dim=16)  # on a CPU-only machine: the CPU, no CUDA error
+    c = qsa.selection.api.CompressedKeyCache(4, 8, 2, dim=16)  # on a CPU-only machine: the CPU, no CUDA error
     assert c.kc_cache.device == torch.get_default_device()
     # the former fixed defaults are rejected by the same test
     assert not _follows_default_device(lambda: qsa.allocate_kv_cache(4, 8, 1, 16, device="cpu"))
     if not HAS_CUDA:
         with pytest.raises((AssertionError, RuntimeError)):
-            ix.CompressedKeyCache(4, 8, 2, dim=16, device="cuda")
+            qsa.selection.api.CompressedKeyCache(4, 8, 2, dim=16, device="cuda")

@@ -8,14 +8,15 @@ import pytest
 import torch
 
 import qsa
-from qsa import attention, routes
-from qsa.cache import random_mapping
-from qsa.reference import AttentionCase, make_attention_case
+import qsa.attention.invariant.kernel
+import qsa.attention.invariant.launch
+import qsa.settings
+from qsa.cache.paged import random_mapping
+from helpers import AttentionCase, make_attention_case
 
-from test_attention import _assert_bitwise
-from test_xqa_direct import check as check_output
+from helpers import assert_bitwise, check_against_reference
 
-SMALL = routes.InvariantConfig(tile_tokens=16, split_tiles=2, num_warps=4, num_stages=2)
+SMALL = qsa.settings.InvariantConfig(tile_tokens=16, split_tiles=2, num_warps=4, num_stages=2)
 """16-token tiles, splits of 32 list positions: the tests' 40-70-wide rows span several splits."""
 
 
@@ -26,7 +27,7 @@ def run(case: AttentionCase, *, fold=None, config=SMALL):
     out = torch.full_like(case.q, float("nan"))
     lse = torch.full(case.q.shape[:2], float("nan"), dtype=torch.float32)
     k, v = (c.k.view(torch.uint8), c.v.view(torch.uint8)) if fp8 else (c.k, c.v)
-    attention.invariant_attention(case.q, k, v, case.indices, case.block_table, case.token_to_req, case.positions,
+    qsa.attention.invariant.launch.invariant_attention(case.q, k, v, case.indices, case.block_table, case.token_to_req, case.positions,
                                   case.seq_lens, out=out, lse=lse, gate=case.gate,
                                   softmax_scale=case.q.shape[2] ** -0.5, k_scale=c.k_scale if fp8 else 1.0,
                                   v_scale=c.v_scale if fp8 else 1.0, kv_fp8=fp8, config=config, fold=fold)
@@ -59,7 +60,7 @@ def assert_batch_invariant(runner, case: AttentionCase, seed: int = 0):
     rows = list(range(n))
 
     def expect(got, at, which, what):
-        _assert_bitwise((got[0][at:at + len(which)], got[1][at:at + len(which)]), (base_out[which], base_lse[which]),
+        assert_bitwise((got[0][at:at + len(which)], got[1][at:at + len(which)]), (base_out[which], base_lse[which]),
                         what)
 
     longest = torch.argsort((case.indices >= 0).sum(1), descending=True, stable=True)[:2].tolist()
@@ -88,8 +89,8 @@ def test_invariant_matches_reference_with_fold_and_merge(dtype, kv_cache_dtype, 
                                seed=41)
     config = dataclasses.replace(SMALL, qk_halves=halves)
     folded = run(case, fold=True, config=config)
-    check_output(case, folded)
-    _assert_bitwise(folded, run(case, fold=False, config=config), "fold vs merge")
+    check_against_reference(case, folded)
+    assert_bitwise(folded, run(case, fold=False, config=config), "fold vs merge")
 
 
 @pytest.mark.parametrize("fold", [False, True])
@@ -105,15 +106,15 @@ def test_the_public_route_is_batch_invariant_across_its_fold_threshold(monkeypat
     split and the merge, larger ones fold in one program per row: the same bits for every row."""
     case = make_attention_case(rows=7, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=40,
                                max_seq_len=160, with_gate=True, seed=44)
-    monkeypatch.setattr(routes, "invariant_config", lambda G, D, lists=None, kv_fp8=False: SMALL)
-    monkeypatch.setattr(routes, "INVARIANT_FOLD_LISTS", 8)
+    monkeypatch.setattr(qsa.attention.invariant.launch, "invariant_config", lambda G, D, lists=None, kv_fp8=False: SMALL)
+    monkeypatch.setattr(qsa.settings, "INVARIANT_FOLD_LISTS", 8)
     seen = []
-    launcher = attention.invariant_attention
+    launcher = qsa.attention.invariant.launch.invariant_attention
 
     def spy(*args, **kw):
-        seen.append(routes.invariant_folds(args[0].shape[0] * args[1].shape[2]))
+        seen.append(qsa.attention.invariant.launch.invariant_folds(args[0].shape[0] * args[1].shape[2]))
         return launcher(*args, **kw)
-    monkeypatch.setattr(attention, "invariant_attention", spy)
+    monkeypatch.setattr(qsa.attention.invariant.launch, "invariant_attention", spy)
     def public(c):
         return c.run(qsa.sparse_paged_attention, route="invariant", return_lse=True,
                      out=torch.full_like(c.q, float("nan")))
@@ -150,7 +151,7 @@ def test_the_invariance_check_rejects_batch_dependent_variants(monkeypatch):
     """Known-wrong variants that the check must reject: splits sized by the batch (as the other routes size
     theirs), and a merge that folds the splits in another order than the kernel's fold (a row's bits then
     depend on which side of the fold threshold its batch falls). The shipped merge passes the same check."""
-    import qsa.kernels.invariant as ki
+    import qsa
 
     case = _long_rows()
     one = dataclasses.replace(SMALL, split_tiles=1)
@@ -159,7 +160,7 @@ def test_the_invariance_check_rejects_batch_dependent_variants(monkeypatch):
         assert_batch_invariant(by_batch, case)
     by_fold = lambda c: run(c, fold=c.q.shape[0] == 6, config=one)  # noqa: E731
     assert_batch_invariant(by_fold, case)
-    monkeypatch.setattr(ki, "invariant_merge_kernel", _ReversedMerge(ki.invariant_merge_kernel))
+    monkeypatch.setattr(qsa.attention.invariant.kernel, "invariant_merge_kernel", _ReversedMerge(qsa.attention.invariant.kernel.invariant_merge_kernel))
     with pytest.raises(AssertionError, match="not bitwise equal"):
         assert_batch_invariant(by_fold, case)
 
@@ -167,48 +168,47 @@ def test_the_invariance_check_rejects_batch_dependent_variants(monkeypatch):
 def test_invariant_settings_and_admission():
     """Settings from the shape alone; the merge's columns within its register budget; a forced route that
     cannot run raises, naming why; ``auto`` never takes it; it plans nothing."""
-    r = routes
-    cfg = r.invariant_config(6, 256)
+    cfg = qsa.attention.invariant.launch.invariant_config(6, 256)
     assert (cfg.tile_tokens, cfg.split_tiles, cfg.num_warps, cfg.qk_halves) == (32, 4, 4, True)
-    assert not r.invariant_config(6, 128).qk_halves
+    assert not qsa.attention.invariant.launch.invariant_config(6, 128).qk_halves
     # The launch's size may move only what schedules the work: the register cap and the stages.
     sums = lambda c: (c.tile_tokens, c.split_tiles, c.num_warps, c.qk_halves)  # noqa: E731
     for G, D in ((6, 256), (12, 256), (6, 128), (8, 64)):
         for kv_fp8 in (False, True):
-            assert {sums(r.invariant_config(G, D, n, kv_fp8)) for n in (None, 1, 300, 1024, 9000)} \
-                == {sums(r.invariant_config(G, D))}
-    assert r.INVARIANT_CAP_LISTS >= r.INVARIANT_FOLD_LISTS  # the cap is a folding launch's
-    capped = r.invariant_config(6, 256, r.INVARIANT_CAP_LISTS)
+            assert {sums(qsa.attention.invariant.launch.invariant_config(G, D, n, kv_fp8)) for n in (None, 1, 300, 1024, 9000)} \
+                == {sums(qsa.attention.invariant.launch.invariant_config(G, D))}
+    assert qsa.settings.INVARIANT_CAP_LISTS >= qsa.settings.INVARIANT_FOLD_LISTS  # the cap is a folding launch's
+    capped = qsa.attention.invariant.launch.invariant_config(6, 256, qsa.settings.INVARIANT_CAP_LISTS)
     assert (capped.max_registers, capped.num_stages) == (168, 2)
-    assert r.invariant_config(8, 256, 8192).max_registers == 168
-    for args in ((6, 256, r.INVARIANT_CAP_LISTS - 1), (6, 256, None), (6, 256, 8192, True), (12, 256, 8192),
+    assert qsa.attention.invariant.launch.invariant_config(8, 256, 8192).max_registers == 168
+    for args in ((6, 256, qsa.settings.INVARIANT_CAP_LISTS - 1), (6, 256, None), (6, 256, 8192, True), (12, 256, 8192),
                  (6, 128, 8192)):
-        assert r.invariant_config(*args).max_registers is None, args
-    assert not r.invariant_folds(r.INVARIANT_FOLD_LISTS - 1) and r.invariant_folds(r.INVARIANT_FOLD_LISTS)
-    assert r.invariant_merge_columns(17, 256) == 32 and r.invariant_merge_columns(1, 256) == 256
-    assert r.invariant_merge_columns(2000, 256) == 16 and r.invariant_merge_columns(2000, 16) == 16
-    assert all(16 * r.invariant_merge_columns(n, 256) * n <= r.INVARIANT_MERGE_ELEMENTS for n in (1, 5, 17, 33))
-    assert r.invariant_merge_columns(17, 256, block_g=32) == 16
+        assert qsa.attention.invariant.launch.invariant_config(*args).max_registers is None, args
+    assert not qsa.attention.invariant.launch.invariant_folds(qsa.settings.INVARIANT_FOLD_LISTS - 1) and qsa.attention.invariant.launch.invariant_folds(qsa.settings.INVARIANT_FOLD_LISTS)
+    assert qsa.attention.invariant.launch.invariant_merge_columns(17, 256) == 32 and qsa.attention.invariant.launch.invariant_merge_columns(1, 256) == 256
+    assert qsa.attention.invariant.launch.invariant_merge_columns(2000, 256) == 16 and qsa.attention.invariant.launch.invariant_merge_columns(2000, 16) == 16
+    assert all(16 * qsa.attention.invariant.launch.invariant_merge_columns(n, 256) * n <= qsa.settings.INVARIANT_MERGE_ELEMENTS for n in (1, 5, 17, 33))
+    assert qsa.attention.invariant.launch.invariant_merge_columns(17, 256, block_g=32) == 16
     kw = dict(rows=4, device=torch.device("cpu"))
-    assert r.choose("invariant", G=6, head_dim=256, index_width=2051, **kw).route == "invariant"
-    assert r.choose("auto", G=6, head_dim=256, index_width=2051, rows=100,
+    assert qsa.attention.routing.choose("invariant", G=6, head_dim=256, index_width=2051, **kw).route == "invariant"
+    assert qsa.attention.routing.choose("auto", G=6, head_dim=256, index_width=2051, rows=100,
                     device=torch.device("cpu")).route != "invariant"
     with pytest.raises(ValueError, match="at most 4096 wide"):
-        r.choose("invariant", G=6, head_dim=256, index_width=4097, **kw)
+        qsa.attention.routing.choose("invariant", G=6, head_dim=256, index_width=4097, **kw)
     with pytest.raises(ValueError, match="heads per tile"):
-        r.choose("invariant", G=2 * r.MAX_TILE_ROWS, head_dim=16, **kw)
+        qsa.attention.routing.choose("invariant", G=2 * qsa.attention.routing.MAX_TILE_ROWS, head_dim=16, **kw)
     with pytest.raises(ValueError, match="head_dim must be one of"):
-        r.choose("invariant", G=2, head_dim=24, **kw)
+        qsa.attention.routing.choose("invariant", G=2, head_dim=24, **kw)
     case = make_attention_case(rows=5, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=8, seed=47)
     plan = qsa.plan_attention(case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens,
                               block_size=16, num_blocks=case.cache.num_blocks, num_q_heads=2, num_kv_heads=1,
                               head_dim=16, route="invariant")
     assert plan.routes.route == "invariant" and (plan.single, plan.grouped, plan.tokens) == (None, None, None)
     got = qsa.run_attention(plan, case.q, case.cache.k, case.cache.v, return_lse=True)
-    _assert_bitwise(got, case.run(qsa.sparse_paged_attention, route="invariant", return_lse=True, gate=None),
+    assert_bitwise(got, case.run(qsa.sparse_paged_attention, route="invariant", return_lse=True, gate=None),
                     "plan + run vs the op")
     with pytest.raises(ValueError, match="scratch"):
-        attention.invariant_attention(
+        qsa.attention.invariant.launch.invariant_attention(
             case.q, case.cache.k, case.cache.v, case.indices, case.block_table, case.token_to_req, case.positions,
             case.seq_lens, out=torch.empty_like(case.q), lse=None, gate=None, softmax_scale=0.25, k_scale=1.0,
             v_scale=1.0, kv_fp8=False, scratch=torch.empty(5, 4, dtype=torch.int32))

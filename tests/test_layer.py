@@ -1,7 +1,7 @@
 """The QSA layer: projections, norms, RoPE, selection, cache writes, gated sparse attention, o_proj.
 
 Tiny shapes on the CPU (the Triton kernels under the interpreter); the layer is driven over chunked
-prefill and decode steps by :func:`qsa.serving.run_layer` and checked against an fp64 whole-sequence
+prefill and decode steps by :func:`qsa.model.serving.run_layer` and checked against an fp64 whole-sequence
 reference, the loop reference of the selection, and itself on other page placements.
 """
 
@@ -11,13 +11,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from qsa import indexer_reference as iref
-from qsa.indexer import select_tokens
-from qsa.layer import (QSAAttention, QSAConfig, StepMetadata, apply_rope, index_key_transform, layer_reference,
-                       rms_norm, rope_cos_sin)
-from qsa.reference import rounding_floor
-from qsa.serving import run_layer
-from qsa.tp import TPInfo, shard_heads
+import qsa
+import qsa.model.serving
+import qsa.selection.reference
+from qsa.selection.api import select_tokens
+from qsa.model.functional import apply_rope, index_key_transform, rms_norm, rope_cos_sin
+from qsa.model.layer import QSAAttention, QSAConfig, StepMetadata
+from qsa.model.reference import layer_reference
+from qsa.attention.reference import rounding_floor
+from qsa.model.serving import run_layer
+from qsa.model.tp import shard_heads, TPInfo
 
 TINY = QSAConfig(hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=8, index_heads=4,
                  index_head_dim=16, index_rotary_dim=8, index_topk=4, rope_theta=10000.0)
@@ -183,7 +186,7 @@ def _selection_like(s, device):
     m = s["meta"]
     args = (s["iq"], s["kc"], m.block_table, m.token_to_req, m.positions, m.seq_lens)
     if torch.device(device).type == "cpu":
-        return iref.select_tokens_reference(*args, k=TINY.index_topk)
+        return qsa.selection.reference.select_tokens_reference(*args, k=TINY.index_topk)
     return select_tokens(*args, block_size=m.block_size, k=TINY.index_topk, backend=m.backend).cpu()
 
 
@@ -208,7 +211,7 @@ def test_layer_matches_references(device, route):
     table = steps[-1]["meta"].block_table
     start = 0
     for r, L in enumerate(LENS):
-        want = iref.compressed_keys_reference(ik_by_row[start:start + L], transform).to(cache.kc.dtype)
+        want = qsa.selection.reference.compressed_keys_reference(ik_by_row[start:start + L], transform).to(cache.kc.dtype)
         got = torch.stack([cache.kc[int(table[r, b // 2]), b % 2] for b in range(L // 4)])
         assert torch.equal(got, want)
         start += L

@@ -5,9 +5,9 @@ import numpy as np
 import pytest
 import torch
 
-from qsa.layer import QSAConfig, StepMetadata
-from qsa.model import TinyConfig, TinyQSAModel
-from qsa.serving import Engine, ServingConfig, prefill_schedule
+from qsa.model.layer import QSAConfig, StepMetadata
+from qsa.model.tiny import TinyConfig, TinyQSAModel
+from qsa.model.serving import Engine, prefill_schedule, ServingConfig
 
 MICRO = TinyConfig(vocab_size=96, num_layers=2, attn=QSAConfig(
     hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, rotary_dim=8, index_heads=4, index_head_dim=16,

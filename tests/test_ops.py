@@ -9,12 +9,15 @@ import functools
 import pytest
 import torch
 
-from conftest import HAS_CUDA
-from qsa import indexer_reference as iref
-from qsa import ops, routes
-from qsa.cache import allocate_kv_cache, quantize_e4m3
-from qsa.indexer import select_tokens
-from qsa.layer import index_key_transform
+from helpers import HAS_CUDA
+import qsa
+import qsa.attention.routing
+import qsa.backend
+import qsa.model.ops
+import qsa.selection.reference
+from qsa.cache.paged import allocate_kv_cache, quantize_e4m3
+from qsa.selection.api import select_tokens
+from qsa.model.functional import index_key_transform
 
 NAN = float("nan")
 
@@ -60,7 +63,7 @@ def _select_torch(*args, k, block_size=8):
 def test_select_tokens_torch_matches_loop_reference(k, integer):
     args = selection_case(seed=k, integer=integer)
     got = _select_torch(*args, k=k)
-    want = iref.select_tokens_reference(*args, k=k)
+    want = qsa.selection.reference.select_tokens_reference(*args, k=k)
     assert got.dtype == torch.int32 and got.shape == (args[0].shape[0], 4 * k + 3)
     assert torch.equal(got, want)
     assert (got[7] == -1).all() and (got[8] == -1).all() and (got[10] == -1).all()  # padding rows
@@ -75,7 +78,7 @@ def test_select_tokens_torch_ties_nan_and_signed_zero():
     kc = kc.clone()
     kc[int(bt[0, 0]), 0, 1] = NAN  # logical block 0 of requests 0 and 1 (aliased page)
     got = _select_torch(q, kc, bt, req, pos, seq, k=4)
-    want = iref.select_tokens_reference(q, kc, bt, req, pos, seq, k=4)
+    want = qsa.selection.reference.select_tokens_reference(q, kc, bt, req, pos, seq, k=4)
     assert torch.equal(got, want)
     # row 0 (pos 69): all scores 0 except NaN block 0 -> blocks 1, 2, 3, 4
     assert got[0, :16].tolist() == list(range(4, 20))
@@ -89,15 +92,15 @@ def test_select_tokens_torch_matches_kernel(device):
 
 def _select_ties_high(q, kc, bt, req, pos, seq, k):
     """A known-wrong selection: ties go to the HIGHER block index."""
-    scores = iref.block_scores_reference(q, kc, bt, req, pos, seq)
-    vis = iref.visible_blocks_reference(req, pos, seq)
+    scores = qsa.selection.reference.block_scores_reference(q, kc, bt, req, pos, seq)
+    vis = qsa.selection.reference.visible_blocks_reference(req, pos, seq)
     blocks = torch.full((q.shape[0], k), -1, dtype=torch.int32)
     for r in range(q.shape[0]):
         cand = [b for b in range(min(int(vis[r]), scores.shape[1])) if scores[r, b] > float("-inf")]
         cand.sort(key=lambda b: (-float(scores[r, b].nan_to_num(-1.0)), -b))
         chosen = sorted(cand[:k])
         blocks[r, :len(chosen)] = torch.tensor(chosen, dtype=torch.int32)
-    return iref.expand_tokens_reference(blocks, req, pos, seq)
+    return qsa.selection.reference.expand_tokens_reference(blocks, req, pos, seq)
 
 
 def test_wrong_selection_is_rejected():
@@ -106,7 +109,7 @@ def test_wrong_selection_is_rejected():
     q, *rest = selection_case(seed=2)
     q[:3] = 0  # all-tied rows
     case = (q, *rest)
-    assert torch.equal(_select_torch(*case, k=3), iref.select_tokens_reference(*case, k=3))
+    assert torch.equal(_select_torch(*case, k=3), qsa.selection.reference.select_tokens_reference(*case, k=3))
     assert not torch.equal(_select_ties_high(*case, k=3), _select_torch(*case, k=3))
     tie_free = selection_case(seed=2, integer=False)
     assert torch.equal(_select_ties_high(*tie_free, k=3), _select_torch(*tie_free, k=3))
@@ -122,7 +125,7 @@ def _feed(fn, raw, req_ids, positions, kc, bt, partial, chunks, transform, block
 
 @pytest.mark.parametrize("with_transform", [False, True])
 def test_update_compressed_keys_torch_matches_kernel_and_reference(device, with_transform):
-    from qsa.indexer import update_compressed_keys
+    from qsa.selection.api import update_compressed_keys
 
     D, block_size, L = 32, 8, 27
     g = _gen(4)
@@ -143,7 +146,7 @@ def test_update_compressed_keys_torch_matches_kernel_and_reference(device, with_
     (kc_t, part_t), (kc_k, part_k) = results
     assert torch.equal(kc_t.nan_to_num(123.0), kc_k.nan_to_num(123.0))
     assert torch.equal(part_t, part_k)
-    want = iref.compressed_keys_reference(raw.to(device), transform).cpu()
+    want = qsa.selection.reference.compressed_keys_reference(raw.to(device), transform).cpu()
     got = torch.stack([kc_t[int(bt[0, b // 2]), b % 2] for b in range(L // 4)])
     assert torch.equal(got, want)
     assert torch.equal(part_t[0, :3], raw[24:27])
@@ -151,7 +154,7 @@ def test_update_compressed_keys_torch_matches_kernel_and_reference(device, with_
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_write_kv_torch_matches_kernel(device, kv_cache_dtype):
-    from qsa.cache import write_kv
+    from qsa.cache.paged import write_kv
 
     g = _gen(5)
     k = torch.randn(9, 2, 16, generator=g).to(torch.bfloat16)
@@ -176,7 +179,7 @@ def test_write_kv_torch_matches_kernel(device, kv_cache_dtype):
 
 
 def _attention_case(device, rows=11):
-    from qsa.reference import make_attention_case
+    from helpers import make_attention_case
 
     return make_attention_case(rows=rows, num_reqs=3, num_q_heads=4, num_kv_heads=2, head_dim=16, block_size=8,
                                width=20, max_seq_len=40, dtype=torch.bfloat16, with_gate=True, device=device)
@@ -187,9 +190,9 @@ def test_attention_op_matches_public_op():
 
     c = _attention_case("cpu")
     want, want_lse = c.run(qsa.sparse_paged_attention, return_lse=True, route="reference")
-    got, got_lse = c.run(ops.sparse_paged_attention, return_lse=True, route="reference")
+    got, got_lse = c.run(qsa.model.ops.sparse_paged_attention, return_lse=True, route="reference")
     assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
-    got_only = c.run(ops.sparse_paged_attention, route="reference")
+    got_only = c.run(qsa.model.ops.sparse_paged_attention, route="reference")
     assert torch.equal(got_only, want)
 
 
@@ -203,13 +206,13 @@ def test_attention_op_passes_the_batch_hints(device, monkeypatch):
     c = _attention_case(device)
     c.indices = ascending_rows(c.indices)
     seen = []
-    choose = routes.choose
-    monkeypatch.setattr(routes, "choose", lambda *a, **kw: seen.append(kw) or choose(*a, **kw))
+    choose = qsa.attention.routing.choose
+    monkeypatch.setattr(qsa.attention.routing, "choose", lambda *a, **kw: seen.append(kw) or choose(*a, **kw))
     want = c.run(qsa.sparse_paged_attention, return_lse=True, route="xqa", max_query_len=2, rows_sorted=True)
-    got = c.run(ops.sparse_paged_attention, return_lse=True, route="xqa", max_query_len=2, rows_sorted=True)
+    got = c.run(qsa.model.ops.sparse_paged_attention, return_lse=True, route="xqa", max_query_len=2, rows_sorted=True)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
     assert [(kw["max_query_len"], kw["rows_sorted"]) for kw in seen] == [(2, True), (2, True)]
-    default = c.run(ops.sparse_paged_attention, route="xqa")
+    default = c.run(qsa.model.ops.sparse_paged_attention, route="xqa")
     assert (seen[-1]["max_query_len"], seen[-1]["rows_sorted"]) == (None, False)
     assert torch.equal(default, want[0])
 
@@ -249,7 +252,7 @@ def test_opcheck_select_and_cache_ops():
 def test_write_kv_op_mutates_only_given_slots():
     kv = torch.full((4, 2, 4, 1, 8), NAN, dtype=torch.float16)
     k = torch.ones(2, 1, 8, dtype=torch.float16)
-    ops.write_kv(kv, k, 2 * k, torch.tensor([5, -1]), backend="torch")
+    qsa.model.ops.write_kv(kv, k, 2 * k, torch.tensor([5, -1]), backend="torch")
     assert (kv[1, 0, 1] == 1).all() and (kv[1, 1, 1] == 2).all()
     assert torch.isnan(kv).sum() == kv.numel() - 16
 
@@ -275,11 +278,11 @@ def test_fake_shapes():
 
 
 def test_kernel_backend():
-    assert routes.kernel_backend("reference", "cpu") == "torch"
+    assert qsa.backend.kernel_backend("reference", "cpu") == "torch"
     # the interpreter is on in a CPU test run
-    assert routes.kernel_backend("auto", "cuda" if HAS_CUDA else "cpu") == "triton"
+    assert qsa.backend.kernel_backend("auto", "cuda" if HAS_CUDA else "cpu") == "triton"
     with pytest.raises(ValueError, match="backend"):
-        ops.write_kv(torch.zeros(1, 2, 4, 1, 8), torch.zeros(0, 1, 8), torch.zeros(0, 1, 8),
+        qsa.model.ops.write_kv(torch.zeros(1, 2, 4, 1, 8), torch.zeros(0, 1, 8), torch.zeros(0, 1, 8),
                      torch.zeros(0, dtype=torch.int64), backend="cuda")
 
 
@@ -287,7 +290,7 @@ def test_degenerate_selection_and_key_feeding_shapes(device):
     """No request (every row padding), no cache block, no table column: the selection is the causal tails
     or all -1 on both backends, key feeding writes nothing and both backends agree; a cache of zero rows
     per block is refused."""
-    from qsa.indexer import tokens_from_scores, update_compressed_keys
+    from qsa.selection.api import tokens_from_scores, update_compressed_keys
 
     D = 16
     q, kc, bt, req, pos, seq = selection_case(D=D, device=device)
@@ -295,7 +298,7 @@ def test_degenerate_selection_and_key_feeding_shapes(device):
     for backend in ("torch", "triton"):
         got = select_tokens(q, kc, no_req[0], req, pos, no_req[1], block_size=8, k=2, backend=backend)
         assert bool((got == -1).all()), backend
-        want = iref.select_tokens_reference(q, kc[:0], bt, req, pos, seq, k=2)
+        want = qsa.selection.reference.select_tokens_reference(q, kc[:0], bt, req, pos, seq, k=2)
         got = select_tokens(q, kc[:0], bt, req, pos, seq, block_size=8, k=2, backend=backend)
         assert torch.equal(got.cpu(), want.cpu()), backend
         assert bool((got >= 0).any()), backend  # the causal tails remain
@@ -324,22 +327,22 @@ def test_op_wrappers_check_scalars_as_the_library_does():
     truncation of k, no bool or string scales."""
     q, kc, bt, req, pos, seq = selection_case(D=16)
     with pytest.raises(TypeError, match="k must be an int"):
-        ops.select_tokens(q, kc, bt, req, pos, seq, block_size=8, k=2.9)
+        qsa.model.ops.select_tokens(q, kc, bt, req, pos, seq, block_size=8, k=2.9)
     with pytest.raises(TypeError, match="k must be an int"):
-        ops.select_tokens(q, kc, bt, req, pos, seq, block_size=8, k=True)
+        qsa.model.ops.select_tokens(q, kc, bt, req, pos, seq, block_size=8, k=True)
     cache = allocate_kv_cache(4, 4, 1, 16, dtype=torch.float16, fill="zeros", kv_cache_dtype="fp8_e4m3")
     k = torch.randn(2, 1, 16, dtype=torch.float16)
     for bad, err in ((True, TypeError), ("2", TypeError), (NAN, ValueError)):
         with pytest.raises(err, match="k_scale"):
-            ops.write_kv(cache.storage, k, k, torch.tensor([0, 1]), kv_cache_dtype="fp8_e4m3", k_scale=bad)
+            qsa.model.ops.write_kv(cache.storage, k, k, torch.tensor([0, 1]), kv_cache_dtype="fp8_e4m3", k_scale=bad)
     for shape in ((4, 4, 1, 16), (4, 1, 4, 1, 16), (4, 3, 4, 1, 16)):
         with pytest.raises(ValueError, match="kv_cache must"):
-            ops.write_kv(torch.zeros(shape, dtype=torch.float16), k, k, torch.tensor([0, 1]))
-    from qsa.reference import make_attention_case
+            qsa.model.ops.write_kv(torch.zeros(shape, dtype=torch.float16), k, k, torch.tensor([0, 1]))
+    from helpers import make_attention_case
 
     case = make_attention_case(rows=5, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=8, seed=2)
     for kw, match in ((dict(k_scale=True), "k_scale"), (dict(softmax_scale="0.5"), "softmax_scale"),
                       (dict(return_lse="no"), "return_lse"), (dict(rows_sorted=1), "rows_sorted"),
                       (dict(max_query_len=1.5), "max_query_len")):
         with pytest.raises(TypeError, match=match):
-            case.run(ops.sparse_paged_attention, **kw)
+            case.run(qsa.model.ops.sparse_paged_attention, **kw)

@@ -6,15 +6,18 @@ import numpy as np
 import pytest
 import torch
 
-import qsa.kernels.plan
-import qsa.plan
-from qsa.cache import random_mapping
-from qsa.plan import (PAD, GroupedPlan, PlanWorkspace, grouped_capacity, physical_order, plan_groups,
-                      plan_single_rows, single_row_capacity)
-from qsa.reference import (_kept_tokens, compare_plans, make_attention_case, reference_grouped_plan,
-                           reference_single_row_plan)
+import qsa
+import qsa.attention.planning.kernels
+import qsa.attention.planning.plan
+import qsa.settings
+import qsa.utils
+from qsa.cache.paged import random_mapping
+from qsa.attention.planning.plan import (grouped_capacity, GroupedPlan, PAD, physical_order, plan_groups, plan_single_rows, PlanWorkspace, single_row_capacity)
+from helpers import make_attention_case
+from qsa.attention.planning.reference import compare_plans, reference_grouped_plan, reference_single_row_plan
+from qsa.attention.reference import kept_tokens as _kept_tokens
 
-from test_xqa_direct import ascending_rows
+from helpers import ascending_rows
 
 
 def plans(case, *, group_rows=8, num_rows=None):
@@ -214,17 +217,16 @@ def test_workspace_is_reusable():
         plan_groups(**long.plan_inputs(), workspace=small)
 
 
-@pytest.mark.parametrize("layout,summary,late", [("nibbles", True, False), ("nibbles", False, False),
-                                                 ("nibbles", True, True), ("nibbles", False, True), ("rows", False, False)])
+@pytest.mark.parametrize("summary,late", [(True, False), (False, False), (True, True), (False, True)])
 @pytest.mark.parametrize("quads,scan", [(1, 16), (2, 32), (64, 2048)])
-def test_planner_settings_give_one_plan(quads, scan, layout, summary, late):
-    """Steps of any size (one quad, a scan shorter than the table), either scratch layout, the scan of
-    flagged sectors or of every word, and the table checked in either pass give the same plan."""
-    from qsa.plan import PlannerConfig
+def test_planner_settings_give_one_plan(quads, scan, summary, late):
+    """Steps of any size (one quad, a scan shorter than the table), the scan of flagged sectors or of
+    every word, and the table checked in either pass give the same plan."""
+    from qsa.settings import PlannerConfig
 
     case = make_attention_case(rows=19, num_reqs=3, block_size=16, width=22, seed=12)
     ref = reference_grouped_plan(**case.plan_inputs())
-    cfg = PlannerConfig(quads=quads, scan=scan, num_warps=4, programs_per_sm=1, layout=layout, summary=summary,
+    cfg = PlannerConfig(quads=quads, scan=scan, num_warps=4, programs_per_sm=1, summary=summary,
                         late_table=late)
     assert compare_plans(plan_groups(**case.plan_inputs(), config=cfg), ref) == []
 
@@ -235,10 +237,10 @@ def test_map_planner_gives_the_plan(quads, scan, emit, list_words, monkeypatch):
     """The planner over a byte map (``shared_map``; in the interpreter the map lives in the workspace)
     gives the reference plan for messy rows: steps of one quad, listing steps shorter than the table,
     emission steps of a few words, lists that fill and flush every step or two."""
-    import qsa.plan
-    from qsa.plan import PlannerConfig
+    import qsa
+    from qsa.settings import PlannerConfig
 
-    monkeypatch.setattr(qsa.plan, "MAP_LIST_WORDS", list_words)
+    monkeypatch.setattr(qsa.settings, "MAP_LIST_WORDS", list_words)
     case = make_attention_case(rows=19, num_reqs=3, block_size=16, width=22, seed=12)
     ref = reference_grouped_plan(**case.plan_inputs())
     cfg = PlannerConfig(quads=quads, scan=scan, num_warps=4, programs_per_sm=1, shared_map=True, emit=emit)
@@ -249,7 +251,7 @@ def test_map_planner_gives_the_plan(quads, scan, emit, list_words, monkeypatch):
 
 
 def test_map_planner_steps_must_be_powers_of_two():
-    from qsa.plan import PlannerConfig
+    from qsa.settings import PlannerConfig
 
     case = make_attention_case(rows=8, num_reqs=1, block_size=16, width=8, seed=3)
     for bad, name in ((PlannerConfig(shared_map=True, emit=100), "emit"), (PlannerConfig(shared_map=True, scan=1000), "scan")):
@@ -258,7 +260,7 @@ def test_map_planner_steps_must_be_powers_of_two():
 
 
 def test_planner_register_cap_must_be_an_int():
-    from qsa.plan import PlannerConfig
+    from qsa.settings import PlannerConfig
 
     case = make_attention_case(rows=8, num_reqs=1, block_size=16, width=8, seed=3)
     for bad in (0, 16, 128.0, "128"):
@@ -274,7 +276,7 @@ def test_planner_whole_quads_over_long_contexts(quads, scan, summary, late, shar
     """Contexts of thousands of tokens, odd rows as select_tokens writes them (whole microblocks, each in
     one index quad: the one-lookup path of the bitmap pass), even rows scattered tokens (the per-token
     path), invalid table entries included; many scan steps at the small settings. Scratch left zero."""
-    from qsa.plan import PlannerConfig
+    from qsa.settings import PlannerConfig
 
     case = make_attention_case(rows=19, num_reqs=3, block_size=16, width=40, max_seq_len=6000, seed=22)
     g = torch.Generator().manual_seed(5)
@@ -298,7 +300,8 @@ def test_planner_whole_quads_over_long_contexts(quads, scan, summary, late, shar
 def test_planner_config_by_shape():
     """Many groups over a short table scan every word, over a longer one up to the shared map's width
     take the map, past it flagged sectors; the choice depends on shapes only (fixed for a CUDA graph)."""
-    from qsa.plan import PLANNER, PLANNER_MAP, PLANNER_SHORT, SHARED_MAP_MICROBLOCKS, SHORT_MICROBLOCKS, planner_config
+    from qsa.attention.planning.plan import planner_config
+    from qsa.settings import PLANNER, PLANNER_MAP, PLANNER_SHORT, SHARED_MAP_MICROBLOCKS, SHORT_MICROBLOCKS
 
     assert planner_config(1024, "cpu", SHORT_MICROBLOCKS) is PLANNER_SHORT
     assert planner_config(1024, "cpu", SHORT_MICROBLOCKS + 1) is PLANNER_MAP
@@ -429,7 +432,7 @@ def test_runs_across_chunk_boundaries(shuffle, one_chunk, monkeypatch):
     rows), or the row is out of order and goes through the sorting planner. With ``one_chunk`` the
     row planner reads each row in one step and sorts a row out of order itself."""
     if one_chunk:
-        monkeypatch.setattr(qsa.plan, "row_plan_chunk", lambda rows, width, device, **kw: 2048)
+        monkeypatch.setattr(qsa.attention.planning.plan, "row_plan_chunk", lambda rows, width, device, **kw: 2048)
     width = 1300
     toks = (torch.arange(width) + 1) // 3  # each token about 3 times; microblock runs of ~12 entries
     toks[-7:] = -1
@@ -443,10 +446,10 @@ def test_runs_across_chunk_boundaries(shuffle, one_chunk, monkeypatch):
     ref = reference_single_row_plan(*args, block_size=16, num_blocks=40)
     assert compare_plans(single, ref) == []
     ref_grouped = reference_grouped_plan(*args, block_size=16, num_blocks=40)
-    for layout in ("nibbles", "rows"):
-        cfg = qsa.plan.PlannerConfig(quads=64, scan=32, layout=layout)
+    for summary in (True, False):
+        cfg = qsa.settings.PlannerConfig(quads=64, scan=32, summary=summary)
         assert compare_plans(plan_groups(*args, block_size=16, num_blocks=40, config=cfg), ref_grouped) == []
-    tokens, counts = qsa.plan.token_lists(*args, block_size=16, num_blocks=40)
+    tokens, counts = qsa.attention.planning.plan.token_lists(*args, block_size=16, num_blocks=40)
     for r in range(3):
         kept = sorted({t for t in indices[r].tolist() if 0 <= t <= int(args[3][r]) and t < 460})
         assert counts[r].item() == len(kept) and tokens[r, :len(kept)].tolist() == kept
@@ -467,19 +470,19 @@ def test_row_planner_settings_give_one_plan(monkeypatch):
     inputs = case.plan_inputs()
     ref = reference_single_row_plan(**inputs)
     assert compare_plans(plan_single_rows(**inputs, num_warps=1), ref) == []
-    monkeypatch.setattr(qsa.plan, "row_plan_chunk", lambda *a, **kw: pytest.fail("the given chunk was not used"))
-    sort_kernel = qsa.kernels.plan.single_row_sort_plan_kernel
+    monkeypatch.setattr(qsa.attention.planning.plan, "row_plan_chunk", lambda *a, **kw: pytest.fail("the given chunk was not used"))
+    sort_kernel = qsa.attention.planning.kernels.single_row_sort_plan_kernel
     for chunk, warps in ((16, 4), (32, 2), (128, 8)):
         for steps in (False, True):
             for hint in (False, True):
                 # rows_sorted on the scan-free steps: a row out of order is sorted by its own program,
                 # with no launch of the sorting planner
-                monkeypatch.setattr(qsa.kernels.plan, "single_row_sort_plan_kernel",
+                monkeypatch.setattr(qsa.attention.planning.kernels, "single_row_sort_plan_kernel",
                                     _Unlaunchable() if steps and hint else sort_kernel)
                 plan = plan_single_rows(**inputs, chunk=chunk, num_warps=warps, ascending_steps=steps,
                                         rows_sorted=hint)
                 assert compare_plans(plan, ref) == [], (chunk, warps, steps, hint)
-    monkeypatch.setattr(qsa.kernels.plan, "single_row_sort_plan_kernel", sort_kernel)
+    monkeypatch.setattr(qsa.attention.planning.kernels, "single_row_sort_plan_kernel", sort_kernel)
     with pytest.raises(ValueError, match="chunk"):
         plan_single_rows(**inputs, chunk=24)
     with pytest.raises(ValueError, match="num_warps"):
@@ -494,13 +497,13 @@ def test_row_planner_default_steps(monkeypatch):
     """One step for up to one row per SM (two for token lists, whose one-step program fits twice per
     SM), steps of 1024 on the scan-free path up to two rows per SM, steps of 512 on the streaming scan
     beyond; a narrow row is one step; the CPU takes short steps."""
-    import qsa.utils
+    import qsa
 
     monkeypatch.setattr(qsa.utils, "device_facts", lambda d: {"kind": "cuda", "sm_count": 132})
 
     def pick(rows, width=2051, tokens=False):
-        return (qsa.plan.row_plan_chunk(rows, width, "cuda", tokens=tokens),
-                qsa.plan.row_plan_ascending_steps(rows, "cuda"))
+        return (qsa.attention.planning.plan.row_plan_chunk(rows, width, "cuda", tokens=tokens),
+                qsa.attention.planning.plan.row_plan_ascending_steps(rows, "cuda"))
 
     assert pick(8) == (4096, False) and pick(132) == (4096, False)
     assert pick(133) == (1024, True) and pick(256) == (1024, True) and pick(264) == (512, False)
@@ -551,7 +554,7 @@ def test_ascending_rows_in_one_step(emit_tokens):
     case.indices = idx
     inputs = case.plan_inputs()
     if emit_tokens:
-        tokens, counts = qsa.plan.token_lists(**inputs)
+        tokens, counts = qsa.attention.planning.plan.token_lists(**inputs)
         for r in range(idx.shape[0]):
             kept = _kept_tokens(idx[r].tolist(), int(inputs["token_to_req"][r]), int(inputs["positions"][r]),
                                 inputs["seq_lens"], inputs["block_table"], 16, inputs["num_blocks"])

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from qsa.cache import allocate_kv_cache, collision_prone_num_blocks, dequantize_e4m3, random_mapping
-from qsa.reference import (AttentionCase, assert_close_like_torch, make_attention_case, reference_attention,
-                           rounding_floor, sdpa_attention)
+from qsa.cache.paged import allocate_kv_cache, collision_prone_num_blocks, dequantize_e4m3, random_mapping
+from helpers import AttentionCase, make_attention_case
+from qsa.attention.reference import assert_close_like_torch, reference_attention, rounding_floor, sdpa_attention
 
 CONFIGS = [
     # (Hq, Hkv, block_size, kv_cache_dtype, layout, dtype, gate)

@@ -4,10 +4,10 @@ vectorised derivation from the attention token sets, relocation and permutation 
 import pytest
 import torch
 
-from qsa.cache import BlockAllocator, collision_prone_num_blocks, random_mapping
-from qsa.plan import PAD, GroupedPlan, SingleRowPlan, grouped_capacity, single_row_capacity
-from qsa.reference import (compare_plans, make_attention_case, reference_grouped_plan,
-                           reference_single_row_plan)
+from qsa.cache.paged import BlockAllocator, collision_prone_num_blocks, random_mapping
+from qsa.attention.planning.plan import grouped_capacity, GroupedPlan, PAD, single_row_capacity, SingleRowPlan
+from helpers import make_attention_case
+from qsa.attention.planning.reference import compare_plans, reference_grouped_plan, reference_single_row_plan
 
 
 def _i32(x: int) -> int:

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 import qsa
-from qsa import routes
-from qsa.reference import make_attention_case
+import qsa.attention.routing
+import qsa.backend
+import qsa.utils
+from helpers import make_attention_case
 
 CPU = torch.device("cpu")
 BROKEN = ("the Triton interpreter cannot run qsa's kernels with numpy 9.9 with triton 9.9 (InterpreterError: "
@@ -26,7 +28,7 @@ needs_interpreter = pytest.mark.skipif(not qsa.utils.interpreter_enabled(),
 @pytest.fixture
 def fresh_notices(monkeypatch, caplog):
     """No notice logged yet in this process; WARNING records of the ``qsa`` logger captured."""
-    monkeypatch.setattr(routes, "_logged", set())
+    monkeypatch.setattr(qsa.backend, "_logged", set())
     caplog.set_level(logging.WARNING, logger="qsa")
     return caplog
 
@@ -71,11 +73,11 @@ def _numpy_24_interpreter(monkeypatch):
 
 @needs_interpreter
 def test_probe_passes_with_this_numpy():
-    assert routes.interpreter_problem() is None
-    assert routes.triton_available(CPU) is None
-    hits = routes.interpreter_problem.cache_info().hits
-    routes.triton_available(CPU)
-    assert routes.interpreter_problem.cache_info().hits == hits + 1  # run once, then cached
+    assert qsa.backend.interpreter_problem() is None
+    assert qsa.backend.triton_available(CPU) is None
+    hits = qsa.backend.interpreter_problem.cache_info().hits
+    qsa.backend.triton_available(CPU)
+    assert qsa.backend.interpreter_problem.cache_info().hits == hits + 1  # run once, then cached
 
 
 @needs_interpreter
@@ -85,18 +87,18 @@ def test_probe_detects_an_interpreter_numpy_breaks(monkeypatch):
     import triton
 
     _numpy_24_interpreter(monkeypatch)
-    probe = routes.interpreter_problem.__wrapped__  # uncached: this process's answer stays cached
+    probe = qsa.backend.interpreter_problem.__wrapped__  # uncached: this process's answer stays cached
     problem = probe()
     assert problem is not None
     assert f"numpy {np.__version__}" in problem and f"triton {triton.__version__}" in problem
     assert "pip install 'numpy<2.4'" in problem and "0-dimensional" in problem
     # Without the probe (the interpreter taken to work) the forced route fails deep in a kernel.
-    monkeypatch.setattr(routes, "interpreter_problem", lambda: None)
+    monkeypatch.setattr(qsa.backend, "interpreter_problem", lambda: None)
     with pytest.raises(Exception, match="0-dimensional") as e:
         qsa.sparse_paged_attention(*_case(), route="xqa")
     assert not isinstance(e.value, ValueError)
     # With it, admission refuses the forced route before any kernel, naming the fix.
-    monkeypatch.setattr(routes, "interpreter_problem", probe)
+    monkeypatch.setattr(qsa.backend, "interpreter_problem", probe)
     with pytest.raises(ValueError, match=r"route='xqa' cannot run: .*pip install 'numpy<2.4'"):
         qsa.sparse_paged_attention(*_case(), route="xqa")
 
@@ -106,28 +108,28 @@ def test_probe_only_under_the_interpreter(monkeypatch):
     def no_probe():
         raise AssertionError("the probe ran without the interpreter")
 
-    monkeypatch.setattr(routes, "interpreter_enabled", lambda: False)
-    monkeypatch.setattr(routes, "interpreter_problem", no_probe)
-    why = routes.triton_available(CPU)
+    monkeypatch.setattr(qsa.backend, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(qsa.backend, "interpreter_problem", no_probe)
+    why = qsa.backend.triton_available(CPU)
     assert why.startswith("no Triton backend for device cpu") and "TRITON_INTERPRET=1" in why
 
 
 def test_a_broken_interpreter_sends_auto_to_the_reference(monkeypatch, fresh_notices):
     """A failed probe: ``auto`` runs the reference (same bits as route="reference") with the notice naming
     the fix, selection and cache writes take PyTorch, and forced routes raise ValueError."""
-    monkeypatch.setattr(routes, "interpreter_enabled", lambda: True)
-    monkeypatch.setattr(routes, "interpreter_problem", lambda: BROKEN)
-    assert routes.triton_available(CPU) == BROKEN
+    monkeypatch.setattr(qsa.backend, "interpreter_enabled", lambda: True)
+    monkeypatch.setattr(qsa.backend, "interpreter_problem", lambda: BROKEN)
+    assert qsa.backend.triton_available(CPU) == BROKEN
     args = _case()
     out = qsa.sparse_paged_attention(*args, route="auto")
     assert torch.equal(out.view(torch.int16), qsa.sparse_paged_attention(*args, route="reference").view(torch.int16))
     assert notices(fresh_notices) == [f"qsa: route 'auto' falls back to the PyTorch reference attention: {BROKEN}"]
-    assert routes.kernel_backend("auto", CPU) == "torch"
+    assert qsa.backend.kernel_backend("auto", CPU) == "torch"
     for route in ("grouped", "xqa", "splitk", "invariant"):
         with pytest.raises(ValueError, match=r"cannot run: .*pip install 'numpy<2.4'"):
             qsa.sparse_paged_attention(*args, route=route)
     with pytest.raises(ValueError, match="pip install 'numpy<2.4'"):
-        routes.resolve_backend("triton", CPU)
+        qsa.backend.resolve_backend("triton", CPU)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,71 +137,72 @@ def test_a_broken_interpreter_sends_auto_to_the_reference(monkeypatch, fresh_not
 
 
 def test_cpu_without_the_interpreter_notice_once(monkeypatch, fresh_notices):
-    monkeypatch.setattr(routes, "interpreter_enabled", lambda: False)
+    monkeypatch.setattr(qsa.backend, "interpreter_enabled", lambda: False)
     for _ in range(3):
-        assert routes.choose("auto", rows=4, G=2, head_dim=64, device=CPU).route == "reference"
+        assert qsa.attention.routing.choose("auto", rows=4, G=2, head_dim=64, device=CPU).route == "reference"
     msgs = notices(fresh_notices)
     assert len(msgs) == 1, msgs
     assert "falls back to the PyTorch reference" in msgs[0] and "no Triton backend for device cpu" in msgs[0]
     assert "set TRITON_INTERPRET=1 before importing qsa" in msgs[0] and "interpreter" in msgs[0]
     with pytest.raises(ValueError, match="route='grouped' cannot run: no Triton backend"):
-        routes.choose("grouped", rows=4, G=2, head_dim=64, device=CPU)
+        qsa.attention.routing.choose("grouped", rows=4, G=2, head_dim=64, device=CPU)
     assert len(notices(fresh_notices)) == 1  # a forced route raises, it logs nothing
 
 
 @pytest.mark.parametrize("head_dim", [48, 512, 8])
 def test_head_dim_no_kernel_takes(head_dim, monkeypatch, fresh_notices):
-    monkeypatch.setattr(routes, "triton_available", lambda device: None)  # as on a GPU
+    monkeypatch.setattr(qsa.backend, "triton_available", lambda device: None)  # as on a GPU
     for _ in range(2):
-        assert routes.choose("auto", rows=64, G=2, head_dim=head_dim, device=CPU).route == "reference"
+        assert qsa.attention.routing.choose("auto", rows=64, G=2, head_dim=head_dim, device=CPU).route == "reference"
     assert notices(fresh_notices) == [f"qsa: route 'auto' falls back to the PyTorch reference attention: no "
-                                      f"Triton kernel takes head_dim {head_dim} (they take {routes.HEAD_DIMS})"]
+                                      f"Triton kernel takes head_dim {head_dim} (they take {qsa.attention.routing.HEAD_DIMS})"]
     for route in ("grouped", "xqa", "splitk", "invariant"):
         with pytest.raises(ValueError, match="head_dim must be one of"):
-            routes.choose(route, rows=64, G=2, head_dim=head_dim, device=CPU)
+            qsa.attention.routing.choose(route, rows=64, G=2, head_dim=head_dim, device=CPU)
     assert len(notices(fresh_notices)) == 1
 
 
 def test_page4_refusal_notice(monkeypatch, fresh_notices):
-    monkeypatch.setattr(routes, "triton_available", lambda device: None)
-    G = 2 * routes.MAX_TILE_ROWS
+    monkeypatch.setattr(qsa.backend, "triton_available", lambda device: None)
+    G = 2 * qsa.attention.routing.MAX_TILE_ROWS
     for _ in range(2):
-        assert routes.choose("auto", rows=64, G=G, head_dim=64, device=CPU).route == "splitk"
+        assert qsa.attention.routing.choose("auto", rows=64, G=G, head_dim=64, device=CPU).route == "splitk"
     msgs = notices(fresh_notices)
     assert len(msgs) == 1 and "takes splitk, not the page4 routes" in msgs[0] and "heads per tile" in msgs[0]
     for route in ("grouped", "xqa"):
         with pytest.raises(ValueError, match="heads per tile"):
-            routes.choose(route, rows=64, G=G, head_dim=64, device=CPU)
+            qsa.attention.routing.choose(route, rows=64, G=G, head_dim=64, device=CPU)
     # a second distinct reason gets its own notice, once
-    routes.choose("auto", rows=64, G=2, head_dim=48, device=CPU)
-    routes.choose("auto", rows=64, G=2, head_dim=48, device=CPU)
+    qsa.attention.routing.choose("auto", rows=64, G=2, head_dim=48, device=CPU)
+    qsa.attention.routing.choose("auto", rows=64, G=2, head_dim=48, device=CPU)
     assert len(notices(fresh_notices)) == 2
 
 
 def test_an_info_level_notice_is_not_seen(monkeypatch, fresh_notices):
     """The notice's check rejects the former INFO-level log, which nobody sees without configuring logging."""
     def info_log_once(message):
-        if message not in routes._logged:
-            routes._logged.add(message)
-            routes.logger.info(message)
+        if message not in qsa.backend._logged:
+            qsa.backend._logged.add(message)
+            qsa.backend.logger.info(message)
 
-    monkeypatch.setattr(routes, "log_once", info_log_once)
-    monkeypatch.setattr(routes, "interpreter_enabled", lambda: False)
-    routes.choose("auto", rows=4, G=2, head_dim=64, device=CPU)
+    monkeypatch.setattr(qsa.backend, "log_once", info_log_once)
+    monkeypatch.setattr(qsa.backend, "interpreter_enabled", lambda: False)
+    qsa.attention.routing.choose("auto", rows=4, G=2, head_dim=64, device=CPU)
     assert notices(fresh_notices) == []
 
 
 def test_notice_printed_without_logging_configured():
     """A library user on a CPU, nothing configured: the notice reaches stderr, once for two calls."""
     code = ("import torch, qsa\n"
-            "from qsa.reference import make_attention_case\n"
+            "from helpers import make_attention_case\n"
             "c = make_attention_case(rows=4, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=8, seed=3)\n"
             "for _ in range(2):\n"
             "    qsa.sparse_paged_attention(c.q, c.cache.k, c.cache.v, c.indices, c.block_table, c.token_to_req,\n"
             "                               c.positions, c.seq_lens)\n"
             "print('ran')\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         cwd=os.path.dirname(os.path.abspath(__file__)))  # helpers.py
     assert res.returncode == 0 and res.stdout.strip() == "ran", res.stderr
     if torch.cuda.is_available():
         return  # the GPU takes the kernels: no notice

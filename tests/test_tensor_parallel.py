@@ -14,11 +14,12 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from qsa.layer import QSAAttention, QSAConfig, layer_reference
-from qsa.model import TinyConfig, TinyQSAModel
-from qsa.reference import rounding_floor
-from qsa.serving import Engine, ServingConfig, run_layer
-from qsa.tp import TPInfo, all_reduce, destroy, free_port, init_local_group, shard_heads
+from qsa.model.layer import QSAAttention, QSAConfig
+from qsa.model.reference import layer_reference
+from qsa.model.tiny import TinyConfig, TinyQSAModel
+from qsa.attention.reference import rounding_floor
+from qsa.model.serving import Engine, run_layer, ServingConfig
+from qsa.model.tp import all_reduce, destroy, free_port, init_local_group, shard_heads, TPInfo
 
 CFG = QSAConfig(hidden_size=64, num_heads=24, num_kv_heads=2, head_dim=16, rotary_dim=8, index_heads=4,
                 index_head_dim=16, index_rotary_dim=8, index_topk=4, rope_theta=10000.0)

@@ -10,22 +10,20 @@ import triton
 import triton.language as tl
 
 import qsa
-from qsa import attention, routes
-from qsa.cache import random_mapping
-from qsa.kernels.common import attend_tile_halves
-from qsa.reference import assert_close_like_torch, make_attention_case, reference_attention
+import qsa.attention.kernels
+import qsa.attention.launch
+import qsa.attention.routing
+import qsa.attention.xqa.kernel
+import qsa.attention.xqa.launch
+import qsa.settings
+import qsa.utils
+from qsa.cache.paged import random_mapping
+from qsa.attention.kernels import attend_tile_halves
+from helpers import make_attention_case
+from qsa.attention.reference import assert_close_like_torch, reference_attention
 
-from test_attention import _assert_bitwise
+from helpers import ascending_rows, assert_bitwise, check_against_reference
 
-
-def ascending_rows(indices: torch.Tensor) -> torch.Tensor:
-    """Each row as ``select_tokens`` orders it: distinct non-negative entries ascending, then -1."""
-    big = torch.iinfo(torch.int64).max
-    key = torch.sort(torch.where(indices < 0, big, indices.long()), dim=1).values
-    dup = torch.zeros_like(key, dtype=torch.bool)
-    dup[:, 1:] = key[:, 1:] == key[:, :-1]
-    key = torch.sort(torch.where(dup, big, key), dim=1).values
-    return torch.where(key == big, -1, key).to(torch.int32)
 
 
 def run_direct(case, *, splits=1, scratch=None, indices=None, prefetch=False, resolve_split=False, defer_check=False,
@@ -34,12 +32,12 @@ def run_direct(case, *, splits=1, scratch=None, indices=None, prefetch=False, re
     out = torch.full_like(case.q, float("nan"))
     lse = torch.full(case.q.shape[:2], float("nan"), dtype=torch.float32)
     k, v = (c.k.view(torch.uint8), c.v.view(torch.uint8)) if c.kv_cache_dtype == "fp8_e4m3" else (c.k, c.v)
-    attention.xqa_direct_attention(
+    qsa.attention.xqa.launch.xqa_direct_attention(
         case.q, k, v, case.indices if indices is None else indices, case.block_table, case.token_to_req,
         case.positions, case.seq_lens, row_start=0, out=out, lse=lse, gate=case.gate,
         softmax_scale=case.q.shape[2] ** -0.5, k_scale=c.k_scale, v_scale=c.v_scale,
         kv_fp8=c.kv_cache_dtype == "fp8_e4m3", num_splits=splits, scratch=scratch,
-        config=config or routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=prefetch,
+        config=config or qsa.settings.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=prefetch,
                                             resolve_split=resolve_split or defer_check, defer_check=defer_check,
                                             qk_halves=qk_halves),
         **kw)
@@ -47,9 +45,7 @@ def run_direct(case, *, splits=1, scratch=None, indices=None, prefetch=False, re
 
 
 def check(case, got):
-    ref, ref_lse = case.run(reference_attention, compute_dtype=torch.float64)
-    low, low_lse = case.run(reference_attention, compute_dtype=case.q.dtype)
-    assert_close_like_torch(got[0], ref, low, lse=got[1], ref_lse=ref_lse, torch_lse=low_lse, name="xqa-direct")
+    check_against_reference(case, got, "xqa-direct")
 
 
 @pytest.mark.parametrize("order", ["sorted", "as-given"])
@@ -92,9 +88,9 @@ def _one_half_twice(b_q0, b_q1, o_ktok, o_vtok, m_load, m_attend, k_ptr, v_ptr, 
 
 def test_direct_score_halves_check_rejects_one_half_twice(monkeypatch):
     """The reference check above rejects scores that take one column half of the query twice."""
-    import qsa.kernels.common as kc
+    import qsa
 
-    monkeypatch.setattr(kc, "attend_tile_halves", _one_half_twice)
+    monkeypatch.setattr(qsa.attention.kernels, "attend_tile_halves", _one_half_twice)
     case = make_attention_case(rows=13, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=40,
                                max_seq_len=150, with_gate=True, seed=27)
     with pytest.raises(AssertionError):
@@ -232,13 +228,13 @@ def test_deferred_check_sees_the_split_boundaries(splits, qk_halves):
     got = run_direct(case, defer_check=True, scratch=scratch, **kw)
     check(case, got)
     assert [bool((scratch[r] != -7).any()) for r in range(6)] == [False, True, True, True, False, False]
-    _assert_bitwise(got, run_direct(case, resolve_split=True, **kw), "deferred vs whole-row check")
-    _assert_bitwise(got, run_direct(case, defer_check=True, indices=sorted_idx, **kw), "sorted rows")
+    assert_bitwise(got, run_direct(case, resolve_split=True, **kw), "deferred vs whole-row check")
+    assert_bitwise(got, run_direct(case, defer_check=True, indices=sorted_idx, **kw), "sorted rows")
 
 
 @triton.jit
 def _split_inner_pairs_only(b_t, u_prev, o_pos, n_pos, u_lim):
-    """Known-wrong ``_split_ascends``: skips the split's first position (the pair across the boundary)."""
+    """Known-wrong ``split_ascends``: skips the split's first position (the pair across the boundary)."""
     m_in = (o_pos >= 1) & (o_pos < n_pos) & (o_pos > tl.min(o_pos, 0))
     u_t = b_t.to(tl.uint32, bitcast=True)
     return tl.min((~m_in | (u_t >= u_lim) | (u_prev < u_t)).to(tl.int32), 0) != 0
@@ -250,8 +246,8 @@ def test_deferred_merge_by_column_blocks(monkeypatch):
     same as one program per head."""
     case, _ = split_boundary_case()
     whole = run_direct(case, splits=2, defer_check=True)
-    monkeypatch.setattr(routes, "merge_config", lambda splits, d, xqa_lists=None: (d // 2, 2))
-    _assert_bitwise(whole, run_direct(case, splits=2, defer_check=True), "two column programs per head")
+    monkeypatch.setattr(qsa.attention.launch, "merge_config", lambda splits, d, xqa_lists=None: (d // 2, 2))
+    assert_bitwise(whole, run_direct(case, splits=2, defer_check=True), "two column programs per head")
 
 
 def test_deferred_merge_leaves_the_direct_partials(monkeypatch):
@@ -260,7 +256,7 @@ def test_deferred_merge_leaves_the_direct_partials(monkeypatch):
     bits after the merge as before it. (Rewritten in place, a column program that loads after another
     has rewritten some splits on the GPU merges a mix of old and recomputed ones; the interpreter runs
     the programs one after another, so this is what the test can see.)"""
-    import qsa.kernels.xqa as kx
+    import qsa
 
     case, _ = split_boundary_case()
     seen = []
@@ -276,8 +272,8 @@ def test_deferred_merge_leaves_the_direct_partials(monkeypatch):
                 seen.append((grid[2], before, (part_acc, part_ml), args[:2]))
             return launch
 
-    monkeypatch.setattr(kx, "xqa_direct_merge_kernel", Spy(kx.xqa_direct_merge_kernel))
-    monkeypatch.setattr(routes, "merge_config", lambda splits, d, xqa_lists=None: (d // 2, 2))
+    monkeypatch.setattr(qsa.attention.xqa.kernel, "xqa_direct_merge_kernel", Spy(qsa.attention.xqa.kernel.xqa_direct_merge_kernel))
+    monkeypatch.setattr(qsa.attention.launch, "merge_config", lambda splits, d, xqa_lists=None: (d // 2, 2))
     check(case, run_direct(case, splits=2, defer_check=True))
     (columns, before, after, redo), = seen
     assert columns == 2
@@ -289,9 +285,10 @@ def test_deferred_merge_leaves_the_direct_partials(monkeypatch):
 
 def test_deferred_check_without_the_boundary_is_caught(monkeypatch):
     """The test above rejects a split check that skips the boundary."""
-    import qsa.kernels.xqa as kx
+    import qsa
 
-    monkeypatch.setattr(kx, "_split_ascends", _split_inner_pairs_only)
+    for module in (qsa.attention.kernels, qsa.attention.xqa.kernel):  # the deferred check and the row list
+        monkeypatch.setattr(module, "split_ascends", _split_inner_pairs_only)
     with pytest.raises(AssertionError):
         test_deferred_check_sees_the_split_boundaries(2, False)
 
@@ -315,7 +312,7 @@ def test_direct_prefetch_rechecks_the_first_tile():
     for splits in (1, 3):
         got = run_direct(case, splits=splits, prefetch=True)
         check(case, got)
-        _assert_bitwise(got, run_direct(case, splits=splits), f"prefetch vs none, {splits} splits")
+        assert_bitwise(got, run_direct(case, splits=splits), f"prefetch vs none, {splits} splits")
 
 
 @pytest.mark.parametrize("splits", [1, 2, 3, 4])
@@ -327,7 +324,7 @@ def test_direct_split_entries_resolved_before_the_loop(splits):
     case = mixed_order_case(26, (1, 4, 8))
     got = run_direct(case, splits=splits, resolve_split=True)
     check(case, got)
-    _assert_bitwise(got, run_direct(case, splits=splits), f"resolved vs tile by tile, {splits} splits")
+    assert_bitwise(got, run_direct(case, splits=splits), f"resolved vs tile by tile, {splits} splits")
 
 
 def test_direct_drops_tokens_past_the_length_below_the_position():
@@ -350,7 +347,7 @@ def test_direct_drops_tokens_past_the_length_below_the_position():
         for kw in (dict(), dict(resolve_split=True), dict(prefetch=True)):
             got = run_direct(case, splits=splits, **kw)
             check(case, got)
-            _assert_bitwise(got, run_direct(shuffled, splits=splits, **kw), f"shuffled, {splits} splits, {kw}")
+            assert_bitwise(got, run_direct(shuffled, splits=splits, **kw), f"shuffled, {splits} splits, {kw}")
 
 
 @pytest.mark.parametrize("qk_halves", [False, True])
@@ -360,27 +357,27 @@ def test_direct_is_bitwise_deterministic(qk_halves):
                                max_seq_len=160, with_gate=True, seed=23)
     case.indices = ascending_rows(case.indices)
     base = run_direct(case, splits=2, qk_halves=qk_halves)
-    _assert_bitwise(base, run_direct(case, splits=2, qk_halves=qk_halves), "repeat")
+    assert_bitwise(base, run_direct(case, splits=2, qk_halves=qk_halves), "repeat")
     g = torch.Generator().manual_seed(24)
-    _assert_bitwise(base, run_direct(case.with_permuted_indices(g), splits=2, qk_halves=qk_halves), "shuffled rows")
+    assert_bitwise(base, run_direct(case.with_permuted_indices(g), splits=2, qk_halves=qk_halves), "shuffled rows")
     mapping = random_mapping(case.cache.num_blocks, generator=g)
-    _assert_bitwise(base, run_direct(case.relocated(mapping), splits=2, qk_halves=qk_halves), "relocation")
+    assert_bitwise(base, run_direct(case.relocated(mapping), splits=2, qk_halves=qk_halves), "relocation")
     # The deferred check: the same bits on sorted rows (checked by each split) and shuffled ones (sorted by
     # the merge), and the same as without it.
     for name, c in (("sorted", case), ("shuffled rows", case.with_permuted_indices(g)),
                     ("relocation", case.relocated(mapping))):
-        _assert_bitwise(base, run_direct(c, splits=2, defer_check=True, qk_halves=qk_halves),
+        assert_bitwise(base, run_direct(c, splits=2, defer_check=True, qk_halves=qk_halves),
                         f"deferred check, {name}")
 
 
 def test_admission_of_the_direct_kernel():
     cpu = torch.device("cpu")
     kw = dict(G=6, head_dim=256, device=cpu, index_width=2051)
-    choose = routes.choose
+    choose = qsa.attention.routing.choose
     assert choose("xqa", rows=16, rows_sorted=True, **kw).direct
     assert choose("auto", rows=1, rows_sorted=True, **kw).direct
     assert not choose("xqa", rows=16, **kw).direct  # no hint
-    assert not choose("xqa", rows=routes.DIRECT_MAX_ROWS + 1, rows_sorted=True, **kw).direct
+    assert not choose("xqa", rows=qsa.settings.DIRECT_MAX_ROWS + 1, rows_sorted=True, **kw).direct
     assert not choose("xqa", rows=4, rows_sorted=True, **{**kw, "index_width": 4097}).direct
     mixed = choose("auto", rows=69, rows_sorted=True, **kw)
     assert (mixed.route, mixed.grouped_rows, mixed.direct) == ("grouped", 64, True)
@@ -406,7 +403,7 @@ def test_public_op_with_sorted_rows(monkeypatch):
     small = make_attention_case(rows=7, num_reqs=2, num_q_heads=4, num_kv_heads=2, head_dim=16, width=20,
                                 with_gate=True, seed=26)
     calls = []
-    monkeypatch.setattr(routes, "direct_split_count", lambda *a: calls.append(a) or 2)
+    monkeypatch.setattr(qsa.attention.xqa.launch, "direct_split_count", lambda *a: calls.append(a) or 2)
     check(small, small.run(qsa.sparse_paged_attention, route="xqa", rows_sorted=True, return_lse=True))
     assert calls, "the direct kernel's split count was not consulted"
 
@@ -441,18 +438,18 @@ def test_direct_split_count_leaves_no_split_empty(monkeypatch):
     DIRECT_MAX_SPLITS, the most splits that fit one wave where more would put over 1/8 of a wave into a
     second one, and the fewest splits with the same most tiles per split (a 65-tile row cut 32 ways would
     leave 10 splits empty)."""
-    monkeypatch.setattr(routes, "device_facts", lambda dev: dict(kind="cuda", sm_count=132))
+    monkeypatch.setattr(qsa.utils, "device_facts", lambda dev: dict(kind="cuda", sm_count=132))
     gpu = torch.device("cuda")
     # 5 lists: 22 splits of 3 tiles (110 programs); 8 lists: 17 of 4 (136, 4 past one per SM); 16 lists: 17
     # splits (272 programs, 8 past the wave of two per SM); 64 lists: 4 (one wave), not 5 (320)
-    assert [routes.direct_split_count(p, 65, 2, gpu) for p in (1, 5, 8, 9, 16, 32, 64, 128, 264)] == \
+    assert [qsa.attention.xqa.launch.direct_split_count(p, 65, 2, gpu) for p in (1, 5, 8, 9, 16, 32, 64, 128, 264)] == \
         [33, 22, 17, 22, 17, 9, 4, 2, 1]
     for programs in range(1, 300, 3):
-        slots = (1 if programs <= routes.DIRECT_ALONE_LISTS else 2) * 132
+        slots = (1 if programs <= qsa.settings.DIRECT_ALONE_LISTS else 2) * 132
         for tiles in (1, 2, 3, 17, 64, 65, 129):
-            s = routes.direct_split_count(programs, tiles, 2, gpu)
+            s = qsa.attention.xqa.launch.direct_split_count(programs, tiles, 2, gpu)
             per = -(-tiles // s)
-            want = max(1, min(routes.DIRECT_MAX_SPLITS, tiles, -(-slots // programs))) if programs < slots else 1
+            want = max(1, min(qsa.settings.DIRECT_MAX_SPLITS, tiles, -(-slots // programs))) if programs < slots else 1
             if programs <= slots and programs * want > slots + slots // 8:
                 want = slots // programs
             assert 1 <= s <= want and per == -(-tiles // want) and (s - 1) * per < tiles, (programs, tiles, s)
@@ -464,7 +461,7 @@ def test_direct_resolves_splits_up_to_the_cap(monkeypatch):
     """The default config resolves a split's entries before its loop where the split holds at most
     ``DIRECT_RESOLVE_MAX`` entries (a power of two), or at most ``DIRECT_RESOLVE_WAVE_MAX`` in a launch
     that fits one wave; other splits keep the tile-by-tile loads. Exact either way."""
-    import qsa.kernels.xqa as kx
+    import qsa
 
     seen = []
 
@@ -475,9 +472,9 @@ def test_direct_resolves_splits_up_to_the_cap(monkeypatch):
                 return kx_kernel[grid](*args, **kw)
             return launch
 
-    kx_kernel = kx.xqa_direct_kernel
-    monkeypatch.setattr(kx, "xqa_direct_kernel", Spy())
-    cfg = routes.xqa_direct_config(2, 16, 3)
+    kx_kernel = qsa.attention.xqa.kernel.xqa_direct_kernel
+    monkeypatch.setattr(qsa.attention.xqa.kernel, "xqa_direct_kernel", Spy())
+    cfg = qsa.attention.xqa.launch.xqa_direct_config(2, 16, 3)
     case = make_attention_case(rows=3, num_reqs=1, num_q_heads=2, num_kv_heads=1, head_dim=16, width=1500,
                                max_seq_len=1600, padding_rows=0, seed=27)
     case.indices = ascending_rows(case.indices)
@@ -485,7 +482,7 @@ def test_direct_resolves_splits_up_to_the_cap(monkeypatch):
                                  max_seq_len=900, padding_rows=0, seed=28)
     narrow.indices = ascending_rows(narrow.indices)
     for sm_count in (1, 2):  # 2 or 4 program slots for 3 lists
-        monkeypatch.setattr(routes, "device_facts", lambda dev, n=sm_count: dict(kind="cuda", sm_count=n))
+        monkeypatch.setattr(qsa.utils, "device_facts", lambda dev, n=sm_count: dict(kind="cuda", sm_count=n))
         for splits in (1, 2, 3):
             check(narrow, run_direct(narrow, splits=splits, config=cfg))
         check(case, run_direct(case, splits=1, config=cfg))
@@ -499,14 +496,14 @@ def test_direct_register_cap_and_programs_per_sm(monkeypatch):
     """The default config caps the direct kernel's registers for at most ``DIRECT_CAP_LISTS`` lists and
     for an FP8 cache, which past that cap counts three programs per SM; the launch passes the cap as
     ``maxnreg`` (and nothing otherwise), and the split count follows the programs per SM. Exact either way."""
-    import qsa.kernels.xqa as kx
+    import qsa
 
     for lists in (1, 8, 16, 17, 64, 128):
         for fp8 in (False, True):
-            cfg = routes.xqa_direct_config(6, 256, lists, kv_fp8=fp8)
-            capped = lists <= routes.DIRECT_CAP_LISTS or fp8
-            assert cfg.max_registers == (routes.DIRECT_MAX_REGISTERS if capped else None), (lists, fp8)
-            assert cfg.programs_per_sm == (3 if fp8 and lists > routes.DIRECT_CAP_LISTS else 2), (lists, fp8)
+            cfg = qsa.attention.xqa.launch.xqa_direct_config(6, 256, lists, kv_fp8=fp8)
+            capped = lists <= qsa.settings.DIRECT_CAP_LISTS or fp8
+            assert cfg.max_registers == (qsa.settings.DIRECT_MAX_REGISTERS if capped else None), (lists, fp8)
+            assert cfg.programs_per_sm == (3 if fp8 and lists > qsa.settings.DIRECT_CAP_LISTS else 2), (lists, fp8)
 
     seen = []
 
@@ -517,34 +514,34 @@ def test_direct_register_cap_and_programs_per_sm(monkeypatch):
                 return kx_kernel[grid](*args, **kw)
             return launch
 
-    kx_kernel = kx.xqa_direct_kernel
-    monkeypatch.setattr(kx, "xqa_direct_kernel", Spy())
-    monkeypatch.setattr(routes, "device_facts", lambda dev: dict(kind="cuda", sm_count=4))
-    monkeypatch.setattr(routes, "DIRECT_ALONE_LISTS", 0)  # 3 lists: the count for the config's programs per SM
+    kx_kernel = qsa.attention.xqa.kernel.xqa_direct_kernel
+    monkeypatch.setattr(qsa.attention.xqa.kernel, "xqa_direct_kernel", Spy())
+    monkeypatch.setattr(qsa.utils, "device_facts", lambda dev: dict(kind="cuda", sm_count=4))
+    monkeypatch.setattr(qsa.settings, "DIRECT_ALONE_LISTS", 0)  # 3 lists: the count for the config's programs per SM
     for cap_lists, kv_cache_dtype, want in ((16, "auto", (3, 168)), (1, "auto", (3, None)),
                                              (1, "fp8_e4m3", (4, 168))):
         # 3 lists of 22 tiles on 4 SMs: 3 splits at two programs per SM (9 programs on 8 slots, within
         # the one-program slack), 4 at three (12 slots).
-        monkeypatch.setattr(routes, "DIRECT_CAP_LISTS", cap_lists)
+        monkeypatch.setattr(qsa.settings, "DIRECT_CAP_LISTS", cap_lists)
         case = make_attention_case(rows=3, num_reqs=1, num_q_heads=2, num_kv_heads=1, head_dim=16, width=700,
                                    max_seq_len=900, padding_rows=0, kv_cache_dtype=kv_cache_dtype, seed=29)
         case.indices = ascending_rows(case.indices)
         seen.clear()
         check(case, run_direct(case, splits=None,
-                               config=routes.xqa_direct_config(2, 16, 3, kv_fp8=kv_cache_dtype != "auto")))
+                               config=qsa.attention.xqa.launch.xqa_direct_config(2, 16, 3, kv_fp8=kv_cache_dtype != "auto")))
         assert seen == [want], (cap_lists, kv_cache_dtype, seen)
 
 
 def test_direct_merge_launch_settings(monkeypatch):
     """The direct kernel lets the next kernel begin launching at its start only with the deferred check;
     the deferred merge is then capped at ``DIRECT_MAX_REGISTERS`` where the direct launch fills its
-    programs per SM (``routes.direct_merge_registers``), so that its programs can wait beside the
+    programs per SM (``qsa.attention.xqa.launch.direct_merge_registers``), so that its programs can wait beside the
     direct kernel's, and launched uncapped otherwise. Exact either way."""
-    import qsa.kernels.xqa as kx
+    import qsa
 
     triggers, merges = [], []
-    real_options = attention.launch_options
-    monkeypatch.setattr(attention, "launch_options",
+    real_options = qsa.attention.xqa.launch.launch_options
+    monkeypatch.setattr(qsa.attention.xqa.launch, "launch_options",
                         lambda dev, **kw: triggers.append(kw.get("early_trigger", True)) or real_options(dev, **kw))
 
     class Spy:
@@ -558,30 +555,30 @@ def test_direct_merge_launch_settings(monkeypatch):
             return launch
 
     direct = []
-    monkeypatch.setattr(kx, "xqa_direct_kernel",
-                        Spy(kx.xqa_direct_kernel, lambda g, kw: direct.append((g[0] * g[1] * g[2], kw["DEFER_CHECK"]))))
-    monkeypatch.setattr(kx, "xqa_direct_merge_kernel",
-                        Spy(kx.xqa_direct_merge_kernel, lambda g, kw: merges.append(kw.get("maxnreg"))))
+    monkeypatch.setattr(qsa.attention.xqa.kernel, "xqa_direct_kernel",
+                        Spy(qsa.attention.xqa.kernel.xqa_direct_kernel, lambda g, kw: direct.append((g[0] * g[1] * g[2], kw["DEFER_CHECK"]))))
+    monkeypatch.setattr(qsa.attention.xqa.kernel, "xqa_direct_merge_kernel",
+                        Spy(qsa.attention.xqa.kernel.xqa_direct_merge_kernel, lambda g, kw: merges.append(kw.get("maxnreg"))))
     case = make_attention_case(rows=3, num_reqs=1, num_q_heads=2, num_kv_heads=1, head_dim=16, width=700,
                                max_seq_len=900, padding_rows=0, seed=30)
     case.indices = ascending_rows(case.indices)
     caps = set()
     for sm_count in (1, 2, 4, 8):
-        monkeypatch.setattr(routes, "device_facts", lambda dev, n=sm_count: dict(kind="cuda", sm_count=n))
+        monkeypatch.setattr(qsa.utils, "device_facts", lambda dev, n=sm_count: dict(kind="cuda", sm_count=n))
         for defer, splits in ((False, None), (True, None), (True, 2)):  # 2 splits: 6 programs
             triggers.clear(), merges.clear(), direct.clear()
-            config = dataclasses.replace(routes.xqa_direct_config(2, 16, 3), defer_check=defer)
+            config = dataclasses.replace(qsa.attention.xqa.launch.xqa_direct_config(2, 16, 3), defer_check=defer)
             check(case, run_direct(case, splits=splits, config=config))
             (programs, deferred), = direct
             assert deferred == (defer and programs > 3), (sm_count, defer, programs)  # deferred with splits
             assert triggers[0] is deferred, (sm_count, defer, triggers)  # the direct kernel's launch
             if deferred:
-                want = routes.DIRECT_MAX_REGISTERS if programs >= config.programs_per_sm * sm_count else None
+                want = qsa.settings.DIRECT_MAX_REGISTERS if programs >= config.programs_per_sm * sm_count else None
                 assert merges == [want], (sm_count, programs, merges)
                 caps.add(want)
             else:
                 assert merges == []
-    assert caps == {routes.DIRECT_MAX_REGISTERS, None}  # both settings were launched
+    assert caps == {qsa.settings.DIRECT_MAX_REGISTERS, None}  # both settings were launched
 
 
 def grid_spy(grids: list):
@@ -635,15 +632,15 @@ def test_planned_and_direct_xqa_agree_bitwise(planned_halves, direct_halves, dty
     assert plan.single is not None and not plan.routes.direct
     out = torch.full_like(case.q, float("nan"))
     lse = torch.full(case.q.shape[:2], float("nan"), dtype=torch.float32)
-    attention.xqa_attention(case.q, k, v, plan.single, row_start=0, out=out, lse=lse, gate=case.gate,
+    qsa.attention.xqa.launch.xqa_attention(case.q, k, v, plan.single, row_start=0, out=out, lse=lse, gate=case.gate,
                             softmax_scale=case.q.shape[2] ** -0.5, k_scale=c.k_scale, v_scale=c.v_scale, kv_fp8=fp8,
-                            config=routes.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=True,
+                            config=qsa.settings.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, prefetch=True,
                                                       qk_halves=planned_halves), num_splits=1)
     check(case, (out, lse))
     # One split each: how the launches cut rows into splits is test_hint_changes_no_bit's.
     direct = run_direct(case, splits=1, resolve_split=True, qk_halves=direct_halves)
     if planned_halves == direct_halves:
-        _assert_bitwise((out, lse), direct, "planned vs direct xqa")
+        assert_bitwise((out, lse), direct, "planned vs direct xqa")
     else:
         assert not torch.equal(out, direct[0])
 
@@ -655,20 +652,20 @@ def test_planned_and_direct_xqa_agree_bitwise(planned_halves, direct_halves, dty
 def test_hint_changes_no_bit(rows, sm_count, k, seed, at_end, monkeypatch):
     """With and without the ``rows_sorted`` hint (direct kernel, planned kernel), a batch of whole-block
     rows gets the same bits at the split counts of a GPU (facts of a ``sm_count``-SM one): the planned
-    launch of rows the direct kernel could take cuts them as the direct kernel does (``routes.xqa_cut``),
+    launch of rows the direct kernel could take cuts them as the direct kernel does (``qsa.attention.xqa.launch.xqa_cut``),
     its split count over the index width's tiles, not its own over the plan's capacity. With the planned
     kernel's own rule (the known-wrong side) the launches take other split counts and the bits differ."""
-    import qsa.kernels.xqa as kx
+    import qsa
 
     gpu = {"kind": "cuda", "sm_count": sm_count, "capability": (9, 0), "name": "fake"}
-    monkeypatch.setattr(routes, "device_facts", lambda device: gpu)
+    monkeypatch.setattr(qsa.utils, "device_facts", lambda device: gpu)
     case = whole_block_case(seed, rows=rows, k=k, max_seq_len=10 * k, at_end=at_end)
     width = case.indices.shape[1]
-    assert routes.direct_admits(rows, width)
+    assert qsa.attention.routing.direct_admits(rows, width)
     grids = []
     Spy = grid_spy(grids)
-    monkeypatch.setattr(kx, "xqa_attention_kernel", Spy(kx.xqa_attention_kernel))
-    monkeypatch.setattr(kx, "xqa_direct_kernel", Spy(kx.xqa_direct_kernel))
+    monkeypatch.setattr(qsa.attention.xqa.kernel, "xqa_attention_kernel", Spy(qsa.attention.xqa.kernel.xqa_attention_kernel))
+    monkeypatch.setattr(qsa.attention.xqa.kernel, "xqa_direct_kernel", Spy(qsa.attention.xqa.kernel.xqa_direct_kernel))
     c = case.cache
 
     def attend(hint, indices=case.indices):
@@ -678,13 +675,13 @@ def test_hint_changes_no_bit(rows, sm_count, k, seed, at_end, monkeypatch):
 
     planned, direct = attend(False), attend(True)
     assert len(grids) == 2 and grids[0] == grids[1], grids
-    tiles = routes.direct_tiles(width, routes.xqa_config(6, 32).tile_tokens)
-    assert grids[0][2] == routes.direct_split_count(rows, tiles, routes.xqa_direct_config(6, 32, rows).programs_per_sm,
+    tiles = qsa.attention.launch.direct_tiles(width, qsa.attention.xqa.launch.xqa_config(6, 32).tile_tokens)
+    assert grids[0][2] == qsa.attention.xqa.launch.direct_split_count(rows, tiles, qsa.attention.xqa.launch.xqa_direct_config(6, 32, rows).programs_per_sm,
                                                     case.q.device) > 1
     check(case, planned)
-    _assert_bitwise(planned, direct, "planned vs direct xqa")
-    _assert_bitwise(planned, attend(False, case.indices.flip(1)), "planned, rows reversed")
-    monkeypatch.setattr(routes, "xqa_cut", lambda *a: None)
+    assert_bitwise(planned, direct, "planned vs direct xqa")
+    assert_bitwise(planned, attend(False, case.indices.flip(1)), "planned, rows reversed")
+    monkeypatch.setattr(qsa.attention.xqa.launch, "xqa_cut", lambda *a: None)
     own = attend(False)
     assert grids[-1][2] != grids[0][2], grids
     check(case, own)
@@ -692,24 +689,24 @@ def test_hint_changes_no_bit(rows, sm_count, k, seed, at_end, monkeypatch):
 
 
 def test_planned_and_direct_tiles_are_one_size():
-    """``routes.xqa_cut`` cuts planned launches as the direct kernel does only where their tiles are one
+    """``qsa.attention.xqa.launch.xqa_cut`` cuts planned launches as the direct kernel does only where their tiles are one
     size: the shipped settings of every shape the page4 routes take."""
     for G in (1, 2, 6, 12, 16):
-        for d in routes.HEAD_DIMS:
+        for d in qsa.attention.routing.HEAD_DIMS:
             for lists in (1, 8, 16, 64):
                 for fp8 in (False, True):
-                    assert routes.xqa_config(G, d).tile_tokens == \
-                        routes.xqa_direct_config(G, d, lists, kv_fp8=fp8).tile_tokens
+                    assert qsa.attention.xqa.launch.xqa_config(G, d).tile_tokens == \
+                        qsa.attention.xqa.launch.xqa_direct_config(G, d, lists, kv_fp8=fp8).tile_tokens
 
 
 def test_merge_columns_by_xqa_lists():
-    """``routes.merge_config``: a head's columns in one program, except after an xqa launch of at most
+    """``qsa.attention.launch.merge_config``: a head's columns in one program, except after an xqa launch of at most
     ``XQA_MERGE_FEW_LISTS`` lists (programs of ``XQA_MERGE_FEW_COLUMNS`` columns)."""
-    assert routes.merge_config(17, 256) == (256, 4)
-    assert routes.merge_config(17, 256, xqa_lists=1) == (128, 4)
-    assert routes.merge_config(17, 256, xqa_lists=routes.XQA_MERGE_FEW_LISTS) == (128, 4)
-    assert routes.merge_config(17, 256, xqa_lists=routes.XQA_MERGE_FEW_LISTS + 1) == (256, 4)
-    assert routes.merge_config(9, 128, xqa_lists=1) == (128, 4)
+    assert qsa.attention.launch.merge_config(17, 256) == (256, 4)
+    assert qsa.attention.launch.merge_config(17, 256, xqa_lists=1) == (128, 4)
+    assert qsa.attention.launch.merge_config(17, 256, xqa_lists=qsa.settings.XQA_MERGE_FEW_LISTS) == (128, 4)
+    assert qsa.attention.launch.merge_config(17, 256, xqa_lists=qsa.settings.XQA_MERGE_FEW_LISTS + 1) == (256, 4)
+    assert qsa.attention.launch.merge_config(9, 128, xqa_lists=1) == (128, 4)
 
 
 @pytest.mark.parametrize("few_lists", [3, 2])
@@ -718,24 +715,24 @@ def test_xqa_merges_take_the_columns_of_their_lists(few_lists, monkeypatch):
     merge without the deferred check, and the planned kernel's): two column programs per head where the 3
     lists are few (columns patched to half the head), one otherwise. Exact either way; on rows out of
     order (each column program of the deferred merge recomputes the row) bitwise the same as in order."""
-    import qsa.kernels.common as kc
-    import qsa.kernels.xqa as kx
+    import qsa
+    import qsa
 
-    monkeypatch.setattr(routes, "XQA_MERGE_FEW_COLUMNS", 8)
-    monkeypatch.setattr(routes, "XQA_MERGE_FEW_LISTS", few_lists)
+    monkeypatch.setattr(qsa.settings, "XQA_MERGE_FEW_COLUMNS", 8)
+    monkeypatch.setattr(qsa.settings, "XQA_MERGE_FEW_LISTS", few_lists)
     grids = []
     Spy = grid_spy(grids)
-    monkeypatch.setattr(kx, "xqa_direct_merge_kernel", Spy(kx.xqa_direct_merge_kernel))
-    monkeypatch.setattr(kc, "merge_splits_kernel", Spy(kc.merge_splits_kernel))
+    monkeypatch.setattr(qsa.attention.xqa.kernel, "xqa_direct_merge_kernel", Spy(qsa.attention.xqa.kernel.xqa_direct_merge_kernel))
+    monkeypatch.setattr(qsa.attention.kernels, "merge_splits_kernel", Spy(qsa.attention.kernels.merge_splits_kernel))
     case = make_attention_case(rows=3, num_reqs=1, num_q_heads=2, num_kv_heads=1, head_dim=16, width=300,
                                max_seq_len=400, padding_rows=0, seed=31)
-    config = routes.xqa_direct_config(2, 16, 3)
+    config = qsa.attention.xqa.launch.xqa_direct_config(2, 16, 3)
     assert config.defer_check
     sorted_rows = ascending_rows(case.indices)
     case.indices = sorted_rows
     got = run_direct(case, splits=2, config=config)
     check(case, got)
-    _assert_bitwise(got, run_direct(case, splits=2, config=config, indices=sorted_rows.flip(1)), "rows out of order")
+    assert_bitwise(got, run_direct(case, splits=2, config=config, indices=sorted_rows.flip(1)), "rows out of order")
     check(case, run_direct(case, splits=2, config=dataclasses.replace(config, defer_check=False)))
     c = case.cache
     plan = qsa.plan_attention(case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens,
@@ -743,7 +740,7 @@ def test_xqa_merges_take_the_columns_of_their_lists(few_lists, monkeypatch):
                               head_dim=16, route="xqa")
     out = torch.full_like(case.q, float("nan"))
     lse = torch.full(case.q.shape[:2], float("nan"), dtype=torch.float32)
-    attention.xqa_attention(case.q, c.k, c.v, plan.single, row_start=0, out=out, lse=lse, gate=case.gate,
+    qsa.attention.xqa.launch.xqa_attention(case.q, c.k, c.v, plan.single, row_start=0, out=out, lse=lse, gate=case.gate,
                             softmax_scale=case.q.shape[2] ** -0.5, k_scale=c.k_scale, v_scale=c.v_scale,
                             kv_fp8=False, num_splits=2)
     check(case, (out, lse))

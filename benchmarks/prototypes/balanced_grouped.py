@@ -5,7 +5,7 @@ The library's grouped kernel runs one program per 8-row group. At 6/1 and prefil
 programs on 264 slots (two per SM), 3.88 waves: the kernel lasts four program lengths. Groups of 10 rows
 fill 60 of the 64-row tile instead of 48 and their unions grow less than their rows (17% fewer tiles at
 overlap 0.98, 7% at 0.8), but 820 programs still take four lengths (3.1 waves), each longer: slower
-(perf-notes, "groups of 10 rows"). Groups of 16 or 21 rows fill 96 or 126 rows of a 128-row tile on 8
+(docs/performance.md, "Grouped route (prefill)"). Groups of 16 or 21 rows fill 96 or 126 rows of a 128-row tile on 8
 warps, the tile the library's 12/1 kernel runs at one program per SM.
 
 On the balanced schedule a persistent grid of ``programs`` programs first attends whole groups in
@@ -29,6 +29,7 @@ only; the planner is not part of it).
 """
 
 from __future__ import annotations
+import qsa.attention.grouped.launch
 
 import math
 import sys
@@ -37,7 +38,7 @@ from dataclasses import dataclass
 import triton
 import triton.language as tl
 
-from qsa.kernels.common import attend_tile, enter_launch, load_kv_microblocks, store_output
+from qsa.attention.kernels import attend_tile, enter_launch, load_kv_microblocks, store_output
 
 MAX_GROUP_ROWS = 24
 
@@ -382,7 +383,7 @@ def compare(names, timer, rounds: int = 2, only=None) -> list[dict]:
     16 and 21 rows per group, one program per group and balanced (8-row host plans equal the library's;
     ``grouped-8`` is the library's schedule on this kernel), each checked against the fp32 reference, then
     timed in interleaved rounds. The records also give each plan's tiles."""
-    from qsa import attention
+    import qsa
 
     from .harness import compare_kernels
 
@@ -402,7 +403,7 @@ def compare(names, timer, rounds: int = 2, only=None) -> list[dict]:
                   f"mean union {float(plan.counts.float().mean()):.1f}", flush=True)
 
         def library(out):
-            attention.grouped_attention(q, c.k, c.v, pb.plan, out=out, **pb.attention_kwargs)
+            qsa.attention.grouped.launch.grouped_attention(q, c.k, c.v, pb.plan, out=out, **pb.attention_kwargs)
 
         def variant(rows, balanced, mb, stages, prefetch):
             return lambda out: balanced_grouped(q, c.k, c.v, plans[rows], out, pb.scale, balanced=balanced,

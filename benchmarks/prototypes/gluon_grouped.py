@@ -1,14 +1,14 @@
 """Prototype, not a route: the grouped attention kernel written in Gluon (Triton's lower-level language),
 where the wgmma waits are explicit, so the next tile's Q K^T can run under this tile's softmax, as
 FlashAttention 3 does. Triton 3.6's own pipeliner places that wait right after the wgmma
-(docs/perf-notes.md, "Floors of the grouped step").
+(docs/performance.md, "Grouped route (prefill)").
 
 Scope: 6/1/256, fp16 activations and cache, K and V of one layout, 8-row groups, one split, no gate or
 LSE. The Triton interpreter does not run Gluon, so this kernel is checked on a GPU only (``main``);
 ``tests/sm90.py`` compiles it for sm_90 on any machine. Its output is bitwise equal to
 ``grouped_attention_kernel``'s at the same settings (with ``lazy``, to the lazy-rescale setting's). On
 the H200 it took 929-935 us at prefill-64k-o80 against 953 us, 468-469 against 488-490 at o98
-(benchmarks/results/experiments/2026-11-30-1354-gluon-grouped-nvidia-h200.json): 2-4%, where the o80
+(2026-11-30): 2-4%, where the o80
 target needs about 10%. A warp-specialized version (a producer warpgroup for the copies, two CTAs per SM)
 is ``gluon_ws.py``: level with the Triton kernel, not faster.
 
@@ -16,6 +16,10 @@ is ``gluon_ws.py``: level with the Triton kernel, not faster.
 """
 
 from __future__ import annotations
+import qsa.attention.grouped.launch
+import qsa.attention.kernels
+import qsa.attention.planning.plan
+import qsa.settings
 
 import sys
 
@@ -24,7 +28,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (async_copy, fence_async_shared, warpgroup_mma,
                                                               warpgroup_mma_init, warpgroup_mma_wait)
 
-from qsa.kernels.common import RESCALE_SLACK, SCALE_ASM, SCALE_CONSTRAINTS, SCALE_PACK, WARP_ANY_ASM
+from qsa.attention.kernels import RESCALE_SLACK, SCALE_ASM, SCALE_CONSTRAINTS, SCALE_PACK, WARP_ANY_ASM
 
 
 @gluon.jit
@@ -75,13 +79,13 @@ def group_tile(base_ptr, i_g, i_kvh, num_rows, stride_row, stride_head, G: gl.co
 @gluon.jit
 def gluon_grouped_kernel(
     q_ptr, k_ptr, v_ptr,  # [rows, Hq, D] fp16; [num_blocks, block_size, Hkv, D] fp16, K and V of one layout
-    ids_ptr, masks_ptr, counts_ptr,  # the grouped plan (qsa.plan.GroupedPlan)
+    ids_ptr, masks_ptr, counts_ptr,  # the grouped plan (qsa.attention.planning.plan.GroupedPlan)
     out_ptr,  # [rows, Hq, D] fp16
     num_rows, qk_scale,
     stride_q_row, stride_q_head, stride_k_block, stride_k_tok, stride_k_head, stride_plan,
     stride_o_row, stride_o_head,
     G: gl.constexpr, GROUP_ROWS: gl.constexpr, MB: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_SIZE: gl.constexpr,
-    LAZY: gl.constexpr = False,  # lazy rescale, multiplies skipped by warps (as qsa.kernels.common.attend_tile)
+    LAZY: gl.constexpr = False,  # lazy rescale, multiplies skipped by warps (as qsa.attention.kernels.attend_tile)
 ):
     """One program per (group, KV head), as ``grouped_attention_kernel`` at 6/1/256 (64 matrix rows, tiles
     of 8 microblocks, 4 warps, one split). Per tile i the program issues the copies of tile i + 2 (K, V
@@ -235,18 +239,18 @@ def compare(names, timer, rounds: int = 2, only=None) -> list[dict]:
     """Each scenario's grouped attention (plan made once): the Triton kernel at its default and lazy-rescale
     settings and this kernel without and with the lazy rescale, each checked against the fp32 reference
     and bitwise against its Triton twin, then timed in interleaved rounds."""
-    from qsa import attention, routes
+    import qsa
 
     from .harness import compare_kernels
 
-    lazy_cfg = routes.GroupedConfig(rows_per_prog=8, block_m=64, mb=8, num_warps=4, num_stages=3,
+    lazy_cfg = qsa.settings.GroupedConfig(rows_per_prog=8, block_m=64, mb=8, num_warps=4, num_stages=3,
                                     programs_per_sm=2, prefetch=False, lazy_rescale=True)
 
     def make_runs(pb):
         q, c, plan = pb.q, pb.cache, pb.plan
 
         def triton(cfg):
-            return lambda out: attention.grouped_attention(q, c.k, c.v, plan, out=out, config=cfg,
+            return lambda out: qsa.attention.grouped.launch.grouped_attention(q, c.k, c.v, plan, out=out, config=cfg,
                                                            **pb.attention_kwargs)
 
         def gluon(lazy):

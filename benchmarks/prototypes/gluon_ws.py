@@ -22,10 +22,9 @@ does not see the hook: the rewritten kernel is cached under the plain kernel's k
 follows from ``PREGS``, a constexpr, so it is part of that key; a change to ``rewrite_ptx`` needs a
 fresh cache).
 
-Measured on the H200 (benchmarks/results/experiments/2026-11-30-1542-gluon-ws-two-ctas-nvidia-h200.json),
-bitwise equal to ``grouped_attention_kernel``: level with it, not faster. Over three runs, prefill-64k-o80
-956-978 us against 952-962 and o98 487-491 against 489-495 (V in 3 buffers; with 2, 1189-1197 and
-612-618).
+Measured on the H200 (2026-11-30), bitwise equal to ``grouped_attention_kernel``: level with it, not
+faster. Over three runs, prefill-64k-o80 956-978 us against 952-962 and o98 487-491 against 489-495 (V in
+3 buffers; with 2, 1189-1197 and 612-618).
 
 Scope: 6/1/256, fp16 activations and cache, K and V of one layout, 8-row groups, one split, no gate or
 LSE; a GPU only (the interpreter does not run Gluon). ``tests/sm90.py`` compiles it on any machine.
@@ -34,6 +33,8 @@ LSE; a GPU only (the interpreter does not run Gluon). ``tests/sm90.py`` compiles
 """
 
 from __future__ import annotations
+import qsa.attention.grouped.launch
+import qsa.attention.planning.plan
 
 import re
 import sys
@@ -180,7 +181,7 @@ def _consumer(q_ptr, out_ptr, masks_ptr, counts_ptr, q_smem, bufs, num_rows, qk_
 @gluon.jit
 def gluon_ws_kernel(
     q_ptr, k_ptr, v_ptr,  # [rows, Hq, D] fp16; [num_blocks, block_size, Hkv, D] fp16, K and V of one layout
-    ids_ptr, masks_ptr, counts_ptr,  # the grouped plan (qsa.plan.GroupedPlan)
+    ids_ptr, masks_ptr, counts_ptr,  # the grouped plan (qsa.attention.planning.plan.GroupedPlan)
     out_ptr,  # [rows, Hq, D] fp16
     num_rows, qk_scale,
     stride_q_row, stride_q_head, stride_k_block, stride_k_tok, stride_k_head, stride_plan,
@@ -280,7 +281,7 @@ def compare(names, timer, rounds: int = 2, only=None) -> list[dict]:
     """Each scenario's grouped attention (plan made once): the Triton kernel and this one with V in 3 and 2
     buffers, each checked against the fp32 reference and bitwise against the Triton kernel, then timed in
     interleaved rounds."""
-    from qsa import attention
+    import qsa
 
     from .harness import compare_kernels
 
@@ -290,7 +291,7 @@ def compare(names, timer, rounds: int = 2, only=None) -> list[dict]:
         def ws(nv):
             return lambda out: gluon_ws(q, c.k, c.v, plan, out, pb.scale, nv=nv)
 
-        return {"triton": lambda out: attention.grouped_attention(q, c.k, c.v, plan, out=out, config=None,
+        return {"triton": lambda out: qsa.attention.grouped.launch.grouped_attention(q, c.k, c.v, plan, out=out, config=None,
                                                                   **pb.attention_kwargs),
                 "ws-v3": ws(3), "ws-v2": ws(2)}
 

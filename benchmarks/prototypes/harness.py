@@ -28,7 +28,7 @@ class GroupedProblem:
 
     def check(self, out) -> None:
         """``out``'s planned rows against the fp32 reference (raises if they differ beyond the tolerance)."""
-        from qsa.reference import assert_close_like_torch
+        from qsa.attention.reference import assert_close_like_torch
 
         n = self.plan.num_rows
         assert_close_like_torch(out[:n], self.ref[:n], self.low[:n])
@@ -44,7 +44,7 @@ class GroupedProblem:
 def grouped_problem(name: str, device) -> GroupedProblem:
     import torch
 
-    from qsa.plan import PlanWorkspace, plan_groups
+    from qsa.attention.planning.plan import plan_groups, PlanWorkspace
 
     from ..baselines import chunked_attention, full_fp32_matmul
     from ..generators import attention_workload
@@ -122,7 +122,7 @@ def compare_kernels(names, timer, make_runs, twins: dict, rounds: int = 2, only=
 
 def main(prog: str, doc: str, stem: str, compare, argv=None) -> int:
     """``prog SCENARIO... [--only LABEL]... [--out DIR]``: ``compare(names, timer, only=...)``'s records into
-    DIR/STEM-<date>.json."""
+    DIR/STEM.json (a later run into DIR replaces it)."""
     import torch
 
     from ..timing import Timer, TimingConfig
@@ -138,7 +138,7 @@ def main(prog: str, doc: str, stem: str, compare, argv=None) -> int:
     timer = Timer("cuda", TimingConfig(budget_s=0.2, min_reps=10, max_reps=100))
     records = compare(args.scenarios, timer, only=set(args.only or ()))
     os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"{stem}-{time.strftime('%Y-%m-%d-%H%M%S', time.gmtime())}.json")
+    path = os.path.join(args.out, f"{stem}.json")
     with open(path, "w") as f:
         json.dump(dict(device=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                        records=records), f, indent=1)

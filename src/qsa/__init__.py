@@ -1,17 +1,19 @@
-"""qsa: Triton kernels for QSA sparse paged attention."""
+"""qsa: Triton kernels for QSA sparse paged attention.
 
-from . import ops  # noqa: F401  (registers torch.ops.qsa.*)
-from .api import AttentionPlan, plan_attention, run_attention, sparse_paged_attention
+Subsystems: :mod:`qsa.attention` (API, routing, planning, one folder per route, reference),
+:mod:`qsa.selection`, :mod:`qsa.cache`, :mod:`qsa.model` (layer, tiny model, serving, tensor parallelism,
+torch ops), :mod:`qsa.cli`; every tuning knob in :mod:`qsa.settings`; where kernels can run in
+:mod:`qsa.backend`."""
+
+from .attention import (AttentionPlan, PlanInputs, plan_attention, reference_attention, run_attention, sdpa_attention,
+                        sparse_paged_attention)
+from .attention.planning import GroupedPlan, PlanWorkspace, SingleRowPlan, plan_groups, plan_single_rows
 from .cache import (BlockAllocator, PagedKVCache, allocate_kv_cache, dequantize_e4m3, quantize_e4m3,
                     random_mapping, relocate, write_kv)
-from .indexer import (CompressedKeyCache, block_scores, select_tokens, tokens_from_scores, topk_blocks,
-                      update_compressed_keys)
-from .layer import LayerCache, QSAAttention, QSAConfig, StepMetadata
-from .model import TinyConfig, TinyQSAModel
-from .plan import GroupedPlan, PlanWorkspace, SingleRowPlan, plan_groups, plan_single_rows
-from .reference import reference_attention, sdpa_attention
-from .serving import Engine, GenerationResult, ServingConfig, run_layer
-from .tp import TPInfo, shard_heads
+from .model import (Engine, GenerationResult, LayerCache, QSAAttention, QSAConfig, ServingConfig, StepMetadata,
+                    TinyConfig, TinyQSAModel, TPInfo, run_layer, shard_heads)
+from .selection import (CompressedKeyCache, block_scores, select_tokens, tokens_from_scores, topk_blocks,
+                        update_compressed_keys)
 
 # The one place the version is written: pyproject.toml reads it ([tool.setuptools.dynamic]), as a literal.
 __version__ = "0.1.0"
@@ -24,6 +26,7 @@ __all__ = [
     "GenerationResult",
     "GroupedPlan",
     "LayerCache",
+    "PlanInputs",
     "PagedKVCache",
     "PlanWorkspace",
     "QSAAttention",

@@ -1,0 +1,393 @@
+"""The public op: ``sparse_paged_attention`` and its plan/run split."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+import torch
+
+from . import routing
+from .grouped import launch as grouped
+from .invariant import launch as invariant
+from .splitk import launch as splitk
+from .xqa import launch as xqa
+from .planning.plan import (GroupedPlan, PlanWorkspace, SingleRowPlan, check_plan_inputs, physical_order, plan_groups,
+                   plan_single_rows, token_lists)
+from ..utils import as_finite_float, check_bool, check_int, check_tensor, overlaps_itself, same_device
+
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
+ACT_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def _version(t):
+    """``t``'s version counter (bumped by every in-place torch op on it or on a view of its storage), or
+    None for tensors that have none (created under ``torch.inference_mode()``) or are not tensors."""
+    try:
+        return None if t.is_inference() else t._version
+    except (AttributeError, RuntimeError):  # not a tensor, or a tensor subclass without a version counter
+        return None
+
+
+@dataclass
+class PlanInputs:
+    """The planner's inputs a plan was built from, with their version counters at planning time.
+
+    Iterates (and indexes) as the tuple ``(indices, block_table, token_to_req, positions, seq_lens)``.
+    :func:`run_attention` compares the version counters (a few attribute reads) and refuses a plan whose
+    inputs were changed in place since: its work lists would no longer describe them. Views of one tensor
+    share its counter, so an in-place change through any view of an input counts. Tensors without a
+    version counter (made under ``torch.inference_mode()``) are not checked; writes that bypass torch's
+    in-place ops (a Triton kernel, CUDA-graph replay) are not seen.
+    """
+
+    indices: torch.Tensor
+    block_table: torch.Tensor
+    token_to_req: torch.Tensor
+    positions: torch.Tensor
+    seq_lens: torch.Tensor
+    versions: tuple = field(init=False, repr=False, compare=False)
+
+    NAMES = ("indices", "block_table", "token_to_req", "positions", "seq_lens")
+
+    def __post_init__(self):
+        tensors = (self.indices, self.block_table, self.token_to_req, self.positions, self.seq_lens)
+        self.versions = versions = (_version(tensors[0]), _version(tensors[1]), _version(tensors[2]),
+                                    _version(tensors[3]), _version(tensors[4]))
+        self._tracked = [(name, t, v) for name, t, v in zip(self.NAMES, tensors, versions) if v is not None]
+
+    def as_tuple(self) -> tuple:
+        return (self.indices, self.block_table, self.token_to_req, self.positions, self.seq_lens)
+
+    def __iter__(self):
+        return iter(self.as_tuple())
+
+    def __len__(self) -> int:
+        return 5
+
+    def __getitem__(self, i):
+        return self.as_tuple()[i]
+
+    def check_unchanged(self) -> None:
+        """Raise a ValueError naming the first input changed in place since planning."""
+        for name, t, v in self._tracked:
+            if t._version != v:
+                raise ValueError(
+                    f"the plan's {name} was modified in place after plan_attention built the plan (version "
+                    f"{v} -> {t._version}): its work lists no longer match; plan again with "
+                    f"qsa.plan_attention(..., out=plan) before run_attention")
+
+
+def check_forward_only(q, gate=None, k_cache=None, v_cache=None) -> None:
+    """qsa has no backward: refuse tensors that require grad while grad mode is on (the output would be
+    silently detached)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in (("q", q), ("gate", gate), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if t is not None and t.requires_grad:
+            raise ValueError(
+                f"{name} requires grad, but qsa attention is forward-only (it has no backward, its output "
+                f"would be detached from the graph): call it under torch.no_grad() or "
+                f"torch.inference_mode(), or pass detached tensors ({name}.detach())")
+
+
+@dataclass
+class AttentionPlan:
+    """Everything ``run_attention`` needs besides the activations and the cache.
+
+    Built by :func:`plan_attention` on the device with no host synchronisation; the same plan serves
+    every layer that shares the selection, and can be rebuilt into the same buffers (``out=``) for
+    CUDA-graph capture.
+
+    Attributes:
+        routes: which rows take which kernel (:class:`qsa.attention.routing.RoutePlan`).
+        single: single-row page4 plan of rows ``[routes.grouped_rows, rows)`` (grouped/xqa routes; the
+            lists of grouped rows are not built), None when no row is left to it.
+        grouped: grouped page4 plan of rows ``[0, routes.grouped_rows)``, else None.
+        tokens: ``[rows, W]`` int32 distinct kept tokens per row (splitk route), else None.
+        token_counts: ``[rows]`` int32 (splitk route), else None.
+        inputs: the planner's inputs (:class:`PlanInputs`: indices, block_table, token_to_req, positions,
+            seq_lens, iterable as that tuple) with their version counters at planning time; a tuple
+            given here becomes a :class:`PlanInputs`.
+        block_size, num_blocks: the KV cache geometry the plan was made for.
+        num_q_heads, num_kv_heads, head_dim: the attention shape the route was chosen for.
+    """
+
+    routes: routing.RoutePlan
+    single: SingleRowPlan | None
+    grouped: GroupedPlan | None
+    tokens: torch.Tensor | None
+    token_counts: torch.Tensor | None
+    inputs: PlanInputs
+    block_size: int
+    num_blocks: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self):
+        if not isinstance(self.inputs, PlanInputs):
+            self.inputs = PlanInputs(*self.inputs)
+
+    @property
+    def num_rows(self) -> int:
+        return self.inputs.indices.shape[0]
+
+
+def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int,
+                   num_blocks: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                   route: str = "auto", out: AttentionPlan | None = None,
+                   workspace: PlanWorkspace | None = None, order: str = "logical",
+                   max_query_len: int | None = None, rows_sorted: bool = False) -> AttentionPlan:
+    """Choose routes and build their work lists for one batch of rows.
+
+    Args:
+        indices: ``[rows, W]`` int32 selected logical tokens per row (any order; -1 = none).
+        block_table: ``[num_reqs, max_blocks]`` int32.
+        token_to_req: ``[rows]`` int32/int64; positions: ``[rows]`` int64; seq_lens: ``[num_reqs]`` int32.
+        block_size, num_blocks: the KV cache geometry.
+        num_q_heads, num_kv_heads, head_dim: the attention shape (for admission).
+        route: "auto", "grouped", "xqa", "splitk", "invariant" or "reference" (see :mod:`qsa.attention.routing`;
+            "invariant" plans nothing: its kernel reads ``indices`` itself).
+        out: a previous plan of the same shapes, refilled in place and returned (CUDA-graph capture): its
+            buffers, routes and inputs all become this call's, so running ``out`` or the returned plan
+            is the same.
+        workspace: grouped-planner scratch to reuse (:meth:`qsa.attention.planning.plan.PlanWorkspace.for_plan`).
+        order: "logical" (the contract). "physical" sorts grouped entries by physical id, which makes
+            outputs depend on page placement: a demonstration of why the order is logical.
+        max_query_len: the most rows any one request has in this batch, if known on the host (1: a
+            decode batch, which ``auto`` sends to xqa; see :func:`qsa.attention.routing.choose`).
+        rows_sorted: the caller's rows are sorted as ``select_tokens`` emits them (kept tokens
+            ascending, -1 last). Then up to ``settings.DIRECT_MAX_ROWS`` xqa rows are planned inside the
+            attention kernel, not by a launch of their own, and planned xqa rows read in several steps
+            skip the sorting planner's launch (:func:`qsa.attention.planning.plan.plan_single_rows`). Changes no bit of a
+            row of whole 4-token blocks and a tail all of whose tokens are kept (the indexer's selections;
+            other rows, and rows with tokens dropped by the table, agree within rounding); a row that is
+            not sorted after all costs an in-kernel sort.
+
+    The plan keeps references to ``indices`` .. ``seq_lens`` and work lists derived from them: after any of
+    them changes, plan again (``out=`` the plan) before :func:`run_attention`. The plan records their
+    version counters, and :func:`run_attention` refuses (ValueError) a plan whose inputs were modified in
+    place by torch ops since (not checked: tensors made under ``torch.inference_mode()``, which have no
+    version counter, and writes outside torch, such as CUDA-graph replay).
+    """
+    if order not in ("logical", "physical"):
+        raise ValueError(f"order must be 'logical' or 'physical', got {order!r}")
+    for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
+        check_int(name, value, 1)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    if out is not None and not isinstance(out, AttentionPlan):
+        raise TypeError(f"out must be an AttentionPlan (from qsa.plan_attention) or None, got {type(out).__name__}")
+    check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
+                      num_blocks=num_blocks)
+    choice = routing.choose(route, rows=indices.shape[0], G=num_q_heads // num_kv_heads, head_dim=head_dim,
+                           device=indices.device, max_query_len=max_query_len, rows_sorted=rows_sorted,
+                           index_width=indices.shape[1])
+    single = grouped = tokens = counts = None
+    if choice.route in ("grouped", "xqa"):
+        if choice.grouped_rows:
+            grouped = plan_groups(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
+                                  num_blocks=num_blocks, group_rows=choice.group_rows,
+                                  num_rows=choice.grouped_rows, out=out.grouped if out is not None else None,
+                                  workspace=workspace)
+            if order == "physical":
+                grouped = physical_order(grouped)
+        if choice.grouped_rows < indices.shape[0] and not choice.direct:
+            single = plan_single_rows(indices, block_table, token_to_req, positions, seq_lens,
+                                      block_size=block_size, num_blocks=num_blocks,
+                                      out=out.single if out is not None else None, row_start=choice.grouped_rows,
+                                      rows_sorted=rows_sorted)
+    elif choice.route == "splitk":
+        tokens, counts = token_lists(indices, block_table, token_to_req, positions, seq_lens,
+                                     block_size=block_size, num_blocks=num_blocks,
+                                     out=(out.tokens, out.token_counts) if out is not None and out.tokens is not None
+                                     else None)
+    plan = AttentionPlan(choice, single, grouped, tokens, counts,
+                         PlanInputs(indices, block_table, token_to_req, positions, seq_lens), block_size,
+                         num_blocks, num_q_heads, num_kv_heads, head_dim)
+    if out is None:
+        return plan
+    for f in fields(AttentionPlan):  # a caller holding ``out`` runs what was just planned
+        setattr(out, f.name, getattr(plan, f.name))
+    return out
+
+
+def _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype):
+    check_tensor("q", q, ndim=3, dtypes=ACT_DTYPES, what="[rows, Hq, D] fp16/bf16")
+    rows, hq, d = q.shape
+    if hq == 0 or d == 0:
+        raise ValueError(f"q must have at least one head and a head dim D > 0, got shape {tuple(q.shape)}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+    cache_dtypes = (q.dtype,) if kv_cache_dtype == "auto" else (torch.uint8, torch.float8_e4m3fn)
+    for name, c in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(name, c, ndim=4, dtypes=cache_dtypes, what="[num_blocks, block_size, Hkv, D]")
+        if not same_device(c.device, q.device):
+            raise ValueError(f"{name} must be on {q.device}, got {c.device}")
+        if c.shape[3] != d:
+            raise ValueError(f"{name} head dim must be {d} (q's D), got shape {tuple(c.shape)}")
+        if c.stride(3) != 1:
+            raise ValueError(f"{name} must be contiguous in its last (D) dimension")
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"v_cache shape {tuple(v_cache.shape)} must equal k_cache shape {tuple(k_cache.shape)}")
+    num_blocks, block_size, hkv, _ = k_cache.shape
+    if block_size == 0 or block_size % 4:
+        raise ValueError(f"k_cache block_size (dim 1) must be a positive multiple of 4, got {block_size}")
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"q heads ({hq}) must be a multiple of k_cache KV heads ({hkv}): Hq % Hkv == 0")
+    if q.stride(2) != 1:
+        raise ValueError("q must be contiguous in its last (D) dimension")
+    if gate is not None:
+        check_tensor("gate", gate, dtypes=q.dtype, shape=(rows, hq, d), what="[rows, Hq, D], q's dtype")
+        if not same_device(gate.device, q.device) or gate.stride(2) != 1:
+            raise ValueError("gate must be on q's device and contiguous in its last dimension")
+    if out is not None:
+        check_tensor("out", out, dtypes=q.dtype, shape=(rows, hq, d), what="[rows, Hq, D], q's dtype")
+        if not same_device(out.device, q.device) or out.stride(2) != 1:
+            raise ValueError("out must be on q's device and contiguous in its last dimension")
+        if overlaps_itself(out):
+            raise ValueError(f"out must not have elements that share memory, got strides {tuple(out.stride())}")
+    return num_blocks, block_size, hkv
+
+
+def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cache_dtype: str = "auto",
+                  k_scale=1.0, v_scale=1.0, softmax_scale=None, out=None, return_lse: bool = False):
+    """Launch the planned routes. Arguments as in :func:`sparse_paged_attention`.
+
+    Forward-only, like :func:`sparse_paged_attention`. The plan must describe its inputs as they are now:
+    an input of the plan (indices, block_table, token_to_req, positions, seq_lens) modified in place by a
+    torch op since :func:`plan_attention` raises a ValueError naming it (plan again, ``out=plan``).
+    """
+    if not isinstance(plan, AttentionPlan):
+        raise TypeError(f"plan must be an AttentionPlan (from qsa.plan_attention), got {type(plan).__name__}")
+    num_blocks, block_size, hkv = _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype)
+    check_forward_only(q, gate, k_cache, v_cache)
+    rows, hq, d = q.shape
+    if rows != plan.num_rows or block_size != plan.block_size or num_blocks != plan.num_blocks \
+            or (hq, hkv, d) != (plan.num_q_heads, plan.num_kv_heads, plan.head_dim):
+        raise ValueError("the plan was made for other shapes: rows, cache geometry and heads must match")
+    inputs = plan.inputs
+    if not same_device(inputs.indices.device, q.device):
+        raise ValueError(f"the plan was made on {inputs.indices.device}, q is on {q.device}")
+    inputs.check_unchanged()
+    k_scale = as_finite_float("k_scale", k_scale)
+    v_scale = as_finite_float("v_scale", v_scale)
+    if kv_cache_dtype == "fp8_e4m3":  # written as x / scale (docs/spec.md section 3): a scale must be > 0
+        for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0 for an FP8 cache, got {value}")
+    return_lse = check_bool("return_lse", return_lse)
+    scale = d ** -0.5 if softmax_scale is None else as_finite_float("softmax_scale", softmax_scale)
+    kv_fp8 = kv_cache_dtype == "fp8_e4m3"
+    if kv_fp8:
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
+    else:  # the scales dequantise an FP8 cache; a cache in q's dtype is read as it is
+        k_scale = v_scale = 1.0
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((rows, hq), dtype=torch.float32, device=q.device) if return_lse else None
+    if rows == 0:
+        return (out, lse) if return_lse else out
+
+    choice = plan.routes
+    kw = dict(out=out, lse=lse, gate=gate, softmax_scale=scale, k_scale=k_scale, v_scale=v_scale,
+              kv_fp8=kv_fp8)
+    if choice.route == "reference":
+        from .reference import reference_attention
+
+        attn, ref_lse = reference_attention(q, k_cache, v_cache, *inputs.as_tuple(), kv_cache_dtype=kv_cache_dtype,
+                                            k_scale=k_scale, v_scale=v_scale, softmax_scale=scale,
+                                            compute_dtype=torch.float32)
+        attn = attn.to(q.dtype)
+        if gate is not None:  # docs/spec.md section 1: round to the activation dtype, then gate in fp32
+            attn = (attn.float() * torch.sigmoid(gate.float())).to(q.dtype)
+        out.copy_(attn)
+        if lse is not None:
+            lse.copy_(ref_lse.float())
+    elif choice.route == "invariant":
+        invariant.invariant_attention(q, k_cache, v_cache, *inputs.as_tuple(), **kw)
+    elif choice.route == "splitk":
+        splitk.splitk_attention(q, k_cache, v_cache, plan.tokens, plan.token_counts, inputs.block_table,
+                                   inputs.token_to_req, block_size=block_size, **kw)
+    else:
+        if plan.grouped is not None:
+            grouped.grouped_attention(q, k_cache, v_cache, plan.grouped, **kw)
+        if choice.direct:
+            xqa.xqa_direct_attention(q, k_cache, v_cache, *inputs.as_tuple(), row_start=choice.grouped_rows, **kw)
+        elif plan.single is not None:
+            xqa.xqa_attention(q, k_cache, v_cache, plan.single, row_start=choice.grouped_rows,
+                                    index_width=inputs.indices.shape[1], **kw)
+    return (out, lse) if return_lse else out
+
+
+def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, *,
+                           gate=None, kv_cache_dtype: str = "auto", k_scale=1.0, v_scale=1.0,
+                           softmax_scale=None, out=None, return_lse: bool = False, route: str = "auto",
+                           max_query_len: int | None = None, rows_sorted: bool = False):
+    """Sparse attention of each row over its selected tokens of a paged KV cache.
+
+    Row ``r`` attends the set ``T_r = {t in indices[r] : t >= 0, t < seq_lens[req], t <= positions[r],
+    0 <= block_table[req, t // block_size] < num_blocks}`` with ``req = token_to_req[r]`` (duplicates
+    count once); ``out[r] = softmax(q[r] K[T_r]^T * scale) V[T_r]``, KV head ``j`` serving query heads
+    ``[j*G, (j+1)*G)``. Padding rows (request outside ``[0, num_reqs)`` or position < 0) and empty sets
+    give out 0 and lse -inf. Out-of-range index and table values are dropped and never read.
+
+    The cache's values are taken to be finite. A NaN or inf in the V of a token that a row keeps makes
+    that row non-finite on every route; on the grouped route, which loads a token once for its group of 8
+    adjacent rows, it can also make the group's other rows non-finite (``0 * inf`` in ``P @ V``), rows of
+    other requests in the group included. xqa and splitk keep rows apart.
+
+    Args:
+        q: ``[rows, Hq, D]`` fp16 or bf16.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` (views of an interleaved
+            ``[num_blocks, 2, block_size, Hkv, D]`` tensor allowed); q's dtype, or uint8 /
+            float8_e4m3fn with ``kv_cache_dtype="fp8_e4m3"``.
+        indices: ``[rows, W]`` int32 logical token indices.
+        block_table: ``[num_reqs, max_blocks]`` int32 logical -> physical block (-1 = none).
+        token_to_req: ``[rows]`` int32/int64 request of each row.
+        positions: ``[rows]`` int64 logical position of each row (-1 = padding row).
+        seq_lens: ``[num_reqs]`` int32.
+        gate: optional ``[rows, Hq, D]``: ``out = round(attn) * sigmoid(gate)`` in fp32, cast back.
+        kv_cache_dtype: "auto" (cache in q's dtype) or "fp8_e4m3".
+        k_scale, v_scale: FP8 dequantisation scales (K = e4m3 * k_scale, V = e4m3 * v_scale); finite
+            numbers, used with ``kv_cache_dtype="fp8_e4m3"`` only (a cache in q's dtype is read as it is).
+        softmax_scale: a finite number; default ``D ** -0.5``.
+        out: optional ``[rows, Hq, D]`` output buffer, contiguous in D, no two elements sharing memory.
+        return_lse: also return the natural-log LSE ``[rows, Hq]`` fp32.
+        route: "auto", "grouped", "xqa", "splitk", "invariant" or "reference" (see :mod:`qsa.attention.routing`).
+            "invariant" makes each row's output bits independent of the batch: the same row gives the
+            same bits alone or among any other rows, at any place in the batch (not only for a fixed
+            batch shape, as the other routes promise); it is slower than ``auto`` on prefill batches.
+        max_query_len: the most rows any one request has here, if known on the host (1: decode;
+            ``auto`` then takes xqa). Changes only which kernel runs, never the token sets.
+        rows_sorted: each row of ``indices`` holds its kept tokens ascending and dropped entries last
+            (as ``select_tokens`` emits them): small xqa batches then skip the plan launch. Changes
+            which kernel runs, and no bit of a row of whole 4-token blocks and a tail all of whose tokens
+            are kept.
+
+    Returns:
+        ``out`` (q's dtype), or ``(out, lse)`` with ``return_lse``.
+
+    Forward-only: there is no backward. With grad mode on, a ``q``, ``gate``, ``k_cache`` or ``v_cache``
+    that requires grad raises a ValueError (the output would be silently detached); call it under
+    ``torch.no_grad()`` or ``torch.inference_mode()``, or pass detached tensors.
+
+    Example:
+        >>> out = qsa.sparse_paged_attention(q, kv[:, 0], kv[:, 1], idx, table, req, pos, lens)
+    """
+    num_blocks, block_size, hkv = _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype)
+    check_forward_only(q, gate, k_cache, v_cache)
+    check_tensor("indices", indices, ndim=2, dtypes=torch.int32, what="[rows, W] int32")
+    if indices.shape[0] != q.shape[0]:
+        raise ValueError(f"indices must have {q.shape[0]} rows (q's rows), got {indices.shape[0]}")
+    for name, t in (("indices", indices), ("block_table", block_table), ("token_to_req", token_to_req),
+                    ("positions", positions), ("seq_lens", seq_lens)):
+        if isinstance(t, torch.Tensor) and not same_device(t.device, q.device):
+            raise ValueError(f"{name} must be on {q.device}, got {t.device}")
+    plan = plan_attention(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
+                          num_blocks=num_blocks, num_q_heads=q.shape[1], num_kv_heads=hkv,
+                          head_dim=q.shape[2], route=route, max_query_len=max_query_len,
+                          rows_sorted=rows_sorted)
+    return run_attention(plan, q, k_cache, v_cache, gate=gate, kv_cache_dtype=kv_cache_dtype,
+                         k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale, out=out,
+                         return_lse=return_lse)

@@ -1,0 +1,1 @@
+"""The invariant route: its kernel (:mod:`.kernel`) and its launcher with the settings it picks (:mod:`.launch`)."""

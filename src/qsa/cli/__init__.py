@@ -1,0 +1,5 @@
+"""The ``qsa`` command: ``info``, ``demo`` (:mod:`.demo`), ``verify`` (:mod:`.verify`) and ``bench``."""
+
+from .commands import main
+
+__all__ = ["main"]

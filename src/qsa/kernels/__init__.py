@@ -1,1 +1,0 @@
-"""Triton kernels only (``@triton.jit``). Launchers and policy live in the modules above."""
