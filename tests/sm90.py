@@ -386,7 +386,7 @@ def check_arguments_of_one():
 
 
 def _compile_gluon_prototype(kernel, constexprs: dict):
-    """A prototype's Gluon kernel (benchmarks/prototypes; the grouped kernel's arguments) for sm_90, its
+    """A prototype's Gluon kernel (benchmarks/lab; the grouped kernel's arguments) for sm_90, its
     pointers and strides marked divisible by 16 as a launch would."""
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -411,10 +411,10 @@ def _prototypes_importable() -> None:
 
 
 def check_gluon_prototype():
-    """The Gluon prototype of the grouped kernel (benchmarks/prototypes), with and without the lazy
+    """The Gluon prototype of the grouped kernel (benchmarks/lab), with and without the lazy
     rescale: two programs fit an SM, no spill inside its loop, its wgmma not serialised."""
     _prototypes_importable()
-    from benchmarks.prototypes.gluon_grouped import gluon_grouped_kernel as kernel
+    from benchmarks.lab.gluon_grouped import gluon_grouped_kernel as kernel
 
     out = []
     for lazy in (False, True):
@@ -428,12 +428,12 @@ def check_gluon_prototype():
 
 
 def check_gluon_ws_prototype():
-    """The warp-specialized Gluon prototype (benchmarks/prototypes/gluon_ws.py), V in 3 and 2 buffers:
+    """The warp-specialized Gluon prototype (benchmarks/lab/gluon_ws.py), V in 3 and 2 buffers:
     with its PTX rewritten, two CTAs of 8 warps fit an SM at 128 registers per thread, the consumer's
     region takes more than 128 (up to 256 - PREGS), and the consumer keeps its loop in registers
     (one spill store with V in 3 buffers)."""
     _prototypes_importable()
-    from benchmarks.prototypes.gluon_ws import gluon_ws_kernel as kernel, install_ptx_hook
+    from benchmarks.lab.gluon_ws import gluon_ws_kernel as kernel, install_ptx_hook
 
     install_ptx_hook()
     out = []

@@ -1,4 +1,4 @@
-"""The balanced-schedule prototype of grouped attention (benchmarks/prototypes/balanced_grouped.py): its
+"""The balanced-schedule prototype of grouped attention (benchmarks/lab/balanced_grouped.py): its
 host plans and its kernels under the interpreter, against the fp64 reference. A prototype outside the
 library: marked ``lab``, left out of the default run (``python -m pytest -m lab``)."""
 
@@ -10,7 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from benchmarks.prototypes.balanced_grouped import balanced_grouped, host_plan  # noqa: E402
+from benchmarks.lab.balanced_grouped import balanced_grouped, host_plan  # noqa: E402
 from qsa.attention.planning.plan import plan_groups  # noqa: E402
 from helpers import make_attention_case
 from qsa.attention.reference import assert_close_like_torch

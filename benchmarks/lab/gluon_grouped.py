@@ -12,7 +12,7 @@ the H200 it took 929-935 us at prefill-64k-o80 against 953 us, 468-469 against 4
 target needs about 10%. A warp-specialized version (a producer warpgroup for the copies, two CTAs per SM)
 is ``gluon_ws.py``: level with the Triton kernel, not faster.
 
-    python -m benchmarks.prototypes.gluon_grouped prefill-64k-o80 prefill-64k-o98 --out DIR
+    python -m benchmarks.lab.gluon_grouped prefill-64k-o80 prefill-64k-o98 --out DIR
 """
 
 from __future__ import annotations
@@ -265,7 +265,7 @@ def compare(names, timer, rounds: int = 2, only=None) -> list[dict]:
 def main(argv=None) -> int:
     from .harness import main as run
 
-    return run("python -m benchmarks.prototypes.gluon_grouped", __doc__, "gluon-grouped", compare, argv)
+    return run("python -m benchmarks.lab.gluon_grouped", __doc__, "gluon-grouped", compare, argv)
 
 
 if __name__ == "__main__":

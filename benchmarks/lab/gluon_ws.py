@@ -29,7 +29,7 @@ faster. Over three runs, prefill-64k-o80 956-978 us against 952-962 and o98 487-
 Scope: 6/1/256, fp16 activations and cache, K and V of one layout, 8-row groups, one split, no gate or
 LSE; a GPU only (the interpreter does not run Gluon). ``tests/sm90.py`` compiles it on any machine.
 
-    python -m benchmarks.prototypes.gluon_ws prefill-64k-o80 prefill-64k-o98 --out DIR
+    python -m benchmarks.lab.gluon_ws prefill-64k-o80 prefill-64k-o98 --out DIR
 """
 
 from __future__ import annotations
@@ -301,7 +301,7 @@ def compare(names, timer, rounds: int = 2, only=None) -> list[dict]:
 def main(argv=None) -> int:
     from .harness import main as run
 
-    return run("python -m benchmarks.prototypes.gluon_ws", __doc__, "gluon-ws", compare, argv)
+    return run("python -m benchmarks.lab.gluon_ws", __doc__, "gluon-ws", compare, argv)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ bits, in ``ceil(rows / 8)`` int32 words per entry (word w: bit 4(q - 8w) + t % 4
 the library's) or, with ``mb=16``, 64 tokens, the dense 128-row tile's fastest setting
 (``benchmarks/dense_floor.py``).
 
-``python -m benchmarks.prototypes.balanced_grouped prefill-64k-o98 ... [--only LABEL]... [--out DIR]`` checks
+``python -m benchmarks.lab.balanced_grouped prefill-64k-o98 ... [--only LABEL]... [--out DIR]`` checks
 every kernel (or those named, with the library's) against the fp32 reference and times them (attention
 only; the planner is not part of it).
 """
@@ -419,7 +419,7 @@ def compare(names, timer, rounds: int = 2, only=None) -> list[dict]:
 def main(argv=None) -> int:
     from .harness import main as run
 
-    return run("python -m benchmarks.prototypes.balanced_grouped", __doc__, "balanced-grouped", compare, argv)
+    return run("python -m benchmarks.lab.balanced_grouped", __doc__, "balanced-grouped", compare, argv)
 
 
 if __name__ == "__main__":
