@@ -3,7 +3,7 @@
 * :func:`naive_attention` -- plain PyTorch in the activation dtype: per row, gather its tokens' K/V
   through the block table, matmul, softmax, matmul; rows in chunks so the gathered K/V stays bounded.
 * :func:`reference_attention_fp32` -- the same computation in fp32 (TF32 off): the correctness gate
-  for sizes where the loop references of ``qsa.reference`` would take minutes.
+  for sizes where the loop references of ``qsa.attention.reference`` would take minutes.
 * :func:`torch_select_baseline` -- the selection stage in plain PyTorch (dense gather, matmul, ``torch.topk``),
   the pipeline ``select_tokens`` is measured against.
 * :func:`exact_selection` -- the exact top-k of the selection stage from fp64 scores (exact for the

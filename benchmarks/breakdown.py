@@ -44,7 +44,7 @@ def plan_args(scn, w, route: str) -> tuple[tuple, dict]:
     # decode batch to xqa.
     plan_kw = dict(block_size=c.block_size, num_blocks=c.num_blocks, num_q_heads=scn.num_q_heads,
                    num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route=route, rows_sorted=rows_sorted,
-                   max_query_len=scn.rows // scn.num_reqs)
+                   max_query_len=scn.rows // scn.num_reqs, kv_cache_dtype=c.kv_cache_dtype)
     return (w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens), plan_kw
 
 

@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     scn = by_name[args.scenario]
     w = attention_workload(scn, torch.device(args.device))
     c = w.cache
-    shape = dict(num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim)
+    shape = dict(num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim,
+                 kv_cache_dtype=w.cache.kv_cache_dtype)
     out = torch.empty_like(w.q)
     for _ in range(args.calls):
         plan = plan_attention(w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens,

@@ -56,7 +56,7 @@ def attention_hashes(scn: registry.Scenario, device: str) -> dict:
                                       block_size=w.cache.block_size, num_blocks=w.cache.num_blocks,
                                       num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads,
                                       head_dim=scn.head_dim, route=route, rows_sorted=True,
-                                      max_query_len=rows_per_req)
+                                      max_query_len=rows_per_req, kv_cache_dtype=w.cache.kv_cache_dtype)
             o, lse = qsa.run_attention(plan, w.q, w.cache.k, w.cache.v, return_lse=True, **w.cache_kwargs)
             out[route] = dict(out=digest(o), lse=digest(lse), ran=plan.routes.route,
                               finite=bool(o.isfinite().all()))

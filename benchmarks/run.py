@@ -347,7 +347,8 @@ class Suite:
         # The scenarios' rows are sorted as select_tokens emits them, and the caller says so, as the
         # layer does: small xqa batches then take the direct kernel.
         plan_kw = dict(block_size=cache.block_size, num_blocks=cache.num_blocks, num_q_heads=scn.num_q_heads,
-                       num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route=route, rows_sorted=True)
+                       num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route=route, rows_sorted=True,
+                       kv_cache_dtype=cache.kv_cache_dtype)
         plan_in = (w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens)
         plan = qsa.plan_attention(*plan_in, **plan_kw)
         ws = self._workspace(plan)
@@ -399,7 +400,7 @@ class Suite:
             plan = qsa.plan_attention(w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens,
                                       block_size=w.cache.block_size, num_blocks=w.cache.num_blocks,
                                       num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads,
-                                      head_dim=scn.head_dim, route="grouped")
+                                      head_dim=scn.head_dim, route="grouped", kv_cache_dtype=w.cache.kv_cache_dtype)
             ws = self._workspace(plan)
         cache = w.cache
 

@@ -249,7 +249,8 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
                 qsa.attention.grouped.launch.grouped_attention(q, c.k, c.v, grouped, config=cfg, **kw)
                 return out
             record(scn.name, "grouped-attn", (rp, bm, mb, nw, ns, pps, pf, lazy), run_grouped, check)
-        shape = dict(num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim)
+        shape = dict(num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim,
+                 kv_cache_dtype=c.kv_cache_dtype)
         full = plan_attention(**inputs, **shape, route="grouped", workspace=ws)
 
         def total():  # plan + attention through the public plan/run split, buffers reused
@@ -266,7 +267,8 @@ def sweep(scn: Scenario, dev, record, grouped_settings, split_settings, planner_
                                     **kw)
             return out
         record(scn.name, "xqa-attn", setting, run_xqa, check)
-    shape = dict(num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim)
+    shape = dict(num_q_heads=scn.num_q_heads, num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim,
+                 kv_cache_dtype=c.kv_cache_dtype)
     xqa_plan = plan_attention(**inputs, **shape, route="xqa")
 
     def xqa_total():

@@ -91,7 +91,7 @@ def test_split_lists_merge_in_order(route, monkeypatch):
 @pytest.mark.parametrize("cols,warps", [(8, 2), (16, 4)])
 @pytest.mark.parametrize("route", ["xqa", "splitk"])
 def test_merge_in_column_chunks(route, cols, warps, monkeypatch):
-    """The split merge with each head's columns cut over several programs (``routes.merge_config``):
+    """The split merge with each head's columns cut over several programs (``qsa.attention.launch.merge_config``):
     exact, out and LSE (every column program stores the same LSE), and bitwise stable under relocation."""
     case = make_attention_case(rows=9, num_reqs=2, num_q_heads=4, num_kv_heads=2, head_dim=32, width=120,
                                max_seq_len=300, with_gate=True, seed=9)
@@ -674,7 +674,7 @@ def test_dependent_launch_only_where_supported(monkeypatch):
 
 
 def test_grouped_config_defaults():
-    """The shipped grouped settings (routes.grouped_config docstring): 64-row tiles on 4 warps with three
+    """The shipped grouped settings (qsa.attention.grouped.launch.grouped_config (docs/tuning.md)): 64-row tiles on 4 warps with three
     stages for 6/1 at D=256, the plan-entry prefetch and the lazy rescale with an FP8 cache; 128-row
     tiles for 12/1 and 24/2."""
     cfg = qsa.attention.grouped.launch.grouped_config(6, 256)

@@ -159,7 +159,7 @@ def test_direct_xqa_at_real_width(rows, num_reqs, dtype, kv):
     hint = dict(rows_sorted=True, max_query_len=1 if num_reqs == rows else None)
     plan = qsa.plan_attention(c["indices"], c["block_table"], c["token_to_req"], c["positions"], c["seq_lens"],
                               block_size=16, num_blocks=c["kv"].shape[0], num_q_heads=6, num_kv_heads=1,
-                              head_dim=256, **hint)
+                              head_dim=256, kv_cache_dtype=kv, **hint)
     assert plan.routes.direct and plan.single is None
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from benchmarks.baselines import chunked_attention, full_fp32_matmul

@@ -270,12 +270,12 @@ def test_plan_buffers_shared_across_layers(device):
     build = dict(block_size=8, device=device, route="grouped", backend="torch")
     meta = StepMetadata.build([0] * 24, list(range(24)), [24], table, slots, **build)
     a(xs[0], meta, ca)
-    plan, ws, buf = meta.plan, meta.workspace, meta.attn_out
+    plan, ws, buf = meta.plan, meta.plan.workspace, meta.attn_out
     assert plan is not None and ws is not None
     assert plan.single is None, "every row is grouped: no single-row lists are built"
     ptrs = (plan.grouped.mb_ids.data_ptr(), ws.bits.data_ptr())
     y_shared = b(xs[0], meta, cb)
-    assert (meta.plan.grouped.mb_ids.data_ptr(), meta.workspace.bits.data_ptr()) == ptrs
+    assert (meta.plan.grouped.mb_ids.data_ptr(), meta.plan.workspace.bits.data_ptr()) == ptrs
     assert meta.attn_out is buf
     fresh = StepMetadata.build([0] * 24, list(range(24)), [24], table, slots, **build)
     y_alone = b(xs[0], fresh, cb_alone)

@@ -1,7 +1,10 @@
 """Every tuning knob of qsa in one place: launch settings, thresholds and planner presets.
 
 Each knob is read where it is used as ``settings.NAME`` at call time, so a test or a tuning run can
-override one with ``monkeypatch.setattr(qsa.settings, "NAME", value)``. Which functions turn shapes into
+override one with ``monkeypatch.setattr(qsa.settings, "NAME", value)``; the exceptions are
+``SHARED_MAP_MICROBLOCKS`` and ``MAP_LIST_WORDS``, which also size the planner kernel's static
+shared-memory map when :mod:`qsa.attention.planning.kernels` is imported (a test may lower
+``MAP_LIST_WORDS``, never raise either). Which functions turn shapes into
 settings is in each route's ``launch.py`` (for example :func:`qsa.attention.xqa.launch.xqa_config`); how
 the shipped values were chosen and how to re-tune them is in ``docs/tuning.md``, the measurements that
 decided them in ``docs/performance.md``.
@@ -182,3 +185,13 @@ PLANNER_SCRATCH_BYTES = 256 << 20
 SELECT_MAX_REGISTER_TILE = 16384
 """Rows of at most this many candidate blocks are held in registers by one top-k program; longer rows are
 streamed in chunks and selected by an 8-bit radix histogram (exact either way)."""
+SELECT_SCORE_TILE = dict(BLOCK_R=32, BLOCK_N=64, n_per_prog=2048, num_warps=4, num_stages=2)
+"""Score kernel on the GPU, fp16/bf16 index queries: rows x compressed keys per tile, keys per program."""
+SELECT_SCORE_TILE_FP32 = dict(BLOCK_R=16, BLOCK_N=32, n_per_prog=1024, num_warps=4, num_stages=1)
+"""Score kernel on the GPU, fp32 index queries (the exact FMA path, no tf32)."""
+SELECT_TOPK_LONG_ROW = dict(BLOCK_N=4096, num_warps=8)
+"""Top-k over rows longer than ``SELECT_MAX_REGISTER_TILE``: blocks per streamed chunk, warps."""
+SELECT_TOPK_EMIT = 1024
+"""Blocks per emission step of the top-k kernel."""
+CLEAR_PAGES_TILE = (64, 64)
+"""(compressed-key rows, pages) per program of the kernel that clears the keys of invalid pages."""

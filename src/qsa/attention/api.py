@@ -11,9 +11,9 @@ from .grouped import launch as grouped
 from .invariant import launch as invariant
 from .splitk import launch as splitk
 from .xqa import launch as xqa
-from .planning.plan import (GroupedPlan, PlanWorkspace, SingleRowPlan, check_plan_inputs, physical_order, plan_groups,
-                   plan_single_rows, token_lists)
 from ..utils import as_finite_float, check_bool, check_int, check_tensor, overlaps_itself, same_device
+from .planning.plan import (GroupedPlan, PlanWorkspace, SingleRowPlan, check_plan_inputs, physical_order, plan_groups,
+                            plan_single_rows, planner_config, planner_programs, token_lists)
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3")
 ACT_DTYPES = (torch.float16, torch.bfloat16)
@@ -91,6 +91,19 @@ def check_forward_only(q, gate=None, k_cache=None, v_cache=None) -> None:
 
 
 @dataclass
+class StepLaunches:
+    """Every kernel launch of a step, each with its settings, split counts and workspace decided at
+    planning (:func:`plan_attention`); :func:`run_attention` only launches them. A route's field is None
+    where it launches nothing."""
+
+    grouped: grouped.GroupedLaunch | None = None
+    xqa: xqa.XqaLaunch | None = None
+    direct: xqa.DirectLaunch | None = None
+    splitk: splitk.SplitkLaunch | None = None
+    invariant: invariant.InvariantLaunch | None = None
+
+
+@dataclass
 class AttentionPlan:
     """Everything ``run_attention`` needs besides the activations and the cache.
 
@@ -110,6 +123,13 @@ class AttentionPlan:
             given here becomes a :class:`PlanInputs`.
         block_size, num_blocks: the KV cache geometry the plan was made for.
         num_q_heads, num_kv_heads, head_dim: the attention shape the route was chosen for.
+        kv_cache_dtype: the cache encoding the launches were chosen for ("auto" or "fp8_e4m3").
+        launches: the step's kernel launches, decided (:class:`StepLaunches`).
+        workspace: the grouped planner's scratch (:class:`~qsa.attention.planning.plan.PlanWorkspace`),
+            kept for the next plan made into this one (``out=``); None where no rows were grouped.
+
+    A plan's split partials and scratch serve one :func:`run_attention` at a time: runs of one plan on
+    two streams at once would share them.
     """
 
     routes: routing.RoutePlan
@@ -123,6 +143,9 @@ class AttentionPlan:
     num_q_heads: int
     num_kv_heads: int
     head_dim: int
+    kv_cache_dtype: str = "auto"
+    launches: StepLaunches = field(default_factory=StepLaunches)
+    workspace: PlanWorkspace | None = None
 
     def __post_init__(self):
         if not isinstance(self.inputs, PlanInputs):
@@ -137,8 +160,9 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
                    num_blocks: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
                    route: str = "auto", out: AttentionPlan | None = None,
                    workspace: PlanWorkspace | None = None, order: str = "logical",
-                   max_query_len: int | None = None, rows_sorted: bool = False) -> AttentionPlan:
-    """Choose routes and build their work lists for one batch of rows.
+                   max_query_len: int | None = None, rows_sorted: bool = False,
+                   kv_cache_dtype: str = "auto") -> AttentionPlan:
+    """Choose routes, build their work lists and decide every launch of one batch of rows.
 
     Args:
         indices: ``[rows, W]`` int32 selected logical tokens per row (any order; -1 = none).
@@ -163,6 +187,12 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
             row of whole 4-token blocks and a tail all of whose tokens are kept (the indexer's selections;
             other rows, and rows with tokens dropped by the table, agree within rounding); a row that is
             not sorted after all costs an in-kernel sort.
+        kv_cache_dtype: "auto" (a cache in q's dtype) or "fp8_e4m3": the cache the plan will run on;
+            :func:`run_attention` refuses another. Some launch settings differ for an FP8 cache.
+
+    Every launch of the step is decided here, from shapes the host knows: the route of each row, each
+    kernel's settings (:mod:`qsa.settings`, through each route's ``launch.py``), split counts, and the
+    split partials and scratch they need, allocated here (reused from ``out`` where they fit).
 
     The plan keeps references to ``indices`` .. ``seq_lens`` and work lists derived from them: after any of
     them changes, plan again (``out=`` the plan) before :func:`run_attention`. The plan records their
@@ -172,6 +202,8 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
     """
     if order not in ("logical", "physical"):
         raise ValueError(f"order must be 'logical' or 'physical', got {order!r}")
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
     for name, value in (("num_q_heads", num_q_heads), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim)):
         check_int(name, value, 1)
     if num_q_heads % num_kv_heads:
@@ -186,6 +218,8 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
     single = grouped = tokens = counts = None
     if choice.route in ("grouped", "xqa"):
         if choice.grouped_rows:
+            num_groups = -(-choice.grouped_rows // choice.group_rows)
+            workspace = workspace or _planner_workspace(out, block_table, block_size, num_groups)
             grouped = plan_groups(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                                   num_blocks=num_blocks, group_rows=choice.group_rows,
                                   num_rows=choice.grouped_rows, out=out.grouped if out is not None else None,
@@ -202,14 +236,54 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
                                      block_size=block_size, num_blocks=num_blocks,
                                      out=(out.tokens, out.token_counts) if out is not None and out.tokens is not None
                                      else None)
+    launches = _plan_launches(choice, single, grouped, tokens, indices, num_q_heads, num_kv_heads, head_dim,
+                              kv_cache_dtype == "fp8_e4m3", out.launches if out is not None else StepLaunches())
+    if workspace is None and out is not None:
+        workspace = out.workspace  # kept for the next step that groups rows
     plan = AttentionPlan(choice, single, grouped, tokens, counts,
                          PlanInputs(indices, block_table, token_to_req, positions, seq_lens), block_size,
-                         num_blocks, num_q_heads, num_kv_heads, head_dim)
+                         num_blocks, num_q_heads, num_kv_heads, head_dim, kv_cache_dtype, launches, workspace)
     if out is None:
         return plan
     for f in fields(AttentionPlan):  # a caller holding ``out`` runs what was just planned
         setattr(out, f.name, getattr(plan, f.name))
     return out
+
+
+def _planner_workspace(out: AttentionPlan | None, block_table, block_size: int, num_groups: int) -> PlanWorkspace:
+    """The grouped planner's scratch: ``out``'s where it covers this table with as many programs as the
+    planner takes for ``num_groups`` groups, else a new one."""
+    old = out.workspace if out is not None else None
+    microblocks = block_table.shape[1] * (block_size // 4)
+    if old is not None and old.microblocks >= microblocks and same_device(old.bits.device, block_table.device):
+        config = planner_config(num_groups, block_table.device, microblocks)
+        if old.programs >= planner_programs(num_groups, block_table.device, microblocks=microblocks, config=config):
+            return old
+    return PlanWorkspace.for_plan(block_table, block_size=block_size, num_groups=num_groups)
+
+
+def _plan_launches(choice: routing.RoutePlan, single, grouped_plan, tokens, indices, hq: int, hkv: int, d: int,
+                   kv_fp8: bool, old: StepLaunches) -> StepLaunches:
+    """Every launch of the step (:class:`StepLaunches`), reusing ``old``'s buffers where they fit."""
+    rows, width = indices.shape
+    shape = dict(num_q_heads=hq, num_kv_heads=hkv, head_dim=d, kv_fp8=kv_fp8, device=indices.device)
+    if choice.route == "invariant":
+        return StepLaunches(invariant=invariant.plan_launch(rows=rows, index_width=width, reuse=old.invariant, **shape))
+    if choice.route == "splitk":
+        return StepLaunches(splitk=splitk.plan_launch(rows=rows, index_width=tokens.shape[1], reuse=old.splitk,
+                                                      **shape))
+    if choice.route not in ("grouped", "xqa"):
+        return StepLaunches()
+    launches = StepLaunches()
+    if grouped_plan is not None:
+        launches.grouped = grouped.plan_launch(grouped_plan, reuse=old.grouped, **shape)
+    if choice.direct:
+        launches.direct = xqa.plan_direct_launch(rows=rows, row_start=choice.grouped_rows, index_width=width,
+                                                 reuse=old.direct, **shape)
+    elif single is not None:
+        launches.xqa = xqa.plan_launch(single, rows=rows, row_start=choice.grouped_rows, index_width=width,
+                                       reuse=old.xqa, **shape)
+    return launches
 
 
 def _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype):
@@ -266,6 +340,9 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
     if rows != plan.num_rows or block_size != plan.block_size or num_blocks != plan.num_blocks \
             or (hq, hkv, d) != (plan.num_q_heads, plan.num_kv_heads, plan.head_dim):
         raise ValueError("the plan was made for other shapes: rows, cache geometry and heads must match")
+    if kv_cache_dtype != plan.kv_cache_dtype:
+        raise ValueError(f"the plan was made for kv_cache_dtype={plan.kv_cache_dtype!r}, got {kv_cache_dtype!r}: "
+                         f"pass the cache's kv_cache_dtype to plan_attention too")
     inputs = plan.inputs
     if not same_device(inputs.indices.device, q.device):
         raise ValueError(f"the plan was made on {inputs.indices.device}, q is on {q.device}")
@@ -289,7 +366,7 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
     if rows == 0:
         return (out, lse) if return_lse else out
 
-    choice = plan.routes
+    choice, launches = plan.routes, plan.launches
     kw = dict(out=out, lse=lse, gate=gate, softmax_scale=scale, k_scale=k_scale, v_scale=v_scale,
               kv_fp8=kv_fp8)
     if choice.route == "reference":
@@ -305,18 +382,19 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
         if lse is not None:
             lse.copy_(ref_lse.float())
     elif choice.route == "invariant":
-        invariant.invariant_attention(q, k_cache, v_cache, *inputs.as_tuple(), **kw)
+        invariant.invariant_attention(q, k_cache, v_cache, *inputs.as_tuple(), launch=launches.invariant, **kw)
     elif choice.route == "splitk":
         splitk.splitk_attention(q, k_cache, v_cache, plan.tokens, plan.token_counts, inputs.block_table,
-                                   inputs.token_to_req, block_size=block_size, **kw)
+                                inputs.token_to_req, block_size=block_size, launch=launches.splitk, **kw)
     else:
         if plan.grouped is not None:
-            grouped.grouped_attention(q, k_cache, v_cache, plan.grouped, **kw)
+            grouped.grouped_attention(q, k_cache, v_cache, plan.grouped, launch=launches.grouped, **kw)
         if choice.direct:
-            xqa.xqa_direct_attention(q, k_cache, v_cache, *inputs.as_tuple(), row_start=choice.grouped_rows, **kw)
+            xqa.xqa_direct_attention(q, k_cache, v_cache, *inputs.as_tuple(), row_start=choice.grouped_rows,
+                                     launch=launches.direct, **kw)
         elif plan.single is not None:
             xqa.xqa_attention(q, k_cache, v_cache, plan.single, row_start=choice.grouped_rows,
-                                    index_width=inputs.indices.shape[1], **kw)
+                              index_width=inputs.indices.shape[1], launch=launches.xqa, **kw)
     return (out, lse) if return_lse else out
 
 
@@ -387,7 +465,7 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
     plan = plan_attention(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                           num_blocks=num_blocks, num_q_heads=q.shape[1], num_kv_heads=hkv,
                           head_dim=q.shape[2], route=route, max_query_len=max_query_len,
-                          rows_sorted=rows_sorted)
+                          rows_sorted=rows_sorted, kv_cache_dtype=kv_cache_dtype)
     return run_attention(plan, q, k_cache, v_cache, gate=gate, kv_cache_dtype=kv_cache_dtype,
                          k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale, out=out,
                          return_lse=return_lse)

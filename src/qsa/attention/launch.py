@@ -11,7 +11,7 @@ import math
 import torch
 
 from .. import settings
-from ..utils import dot_in_fp32, launch_options, next_pow2
+from ..utils import dot_in_fp32, launch_options, next_pow2, same_device
 
 
 def dot_dtype(q: torch.Tensor):
@@ -86,14 +86,24 @@ def merge_splits(part_acc, part_ml, *, out, lse, gate, row_offset, v_scale, num_
     )
 
 
-def partials(n, hq, splits, d, device, copies: int = 1):
+def partials(n, hq, splits, d, device, copies: int = 1, reuse=None):
     """fp32 split partials ``(acc [n, hq, splits, d], ml [n, hq, splits, 2])``; with ``copies`` > 1, that
-    many such pairs cut from two allocations."""
+    many such pairs cut from two allocations. ``reuse``: partials of an earlier plan, returned when they
+    have this shape and device (a plan refilled with ``out=`` keeps its buffers, as CUDA graphs need)."""
+    if reuse is not None and _same_partials(reuse, (n, hq, splits, d), copies, device):
+        return reuse
     acc = torch.empty((copies, n, hq, splits, d), dtype=torch.float32, device=device)
     ml = torch.empty((copies, n, hq, splits, 2), dtype=torch.float32, device=device)
     if copies == 1:
         return acc[0], ml[0]
     return [(acc[i], ml[i]) for i in range(copies)]
+
+
+def _same_partials(reuse, shape, copies: int, device) -> bool:
+    pairs = reuse if copies > 1 else [reuse]
+    return len(pairs) == copies and all(
+        tuple(acc.shape) == shape and tuple(ml.shape) == shape[:3] + (2,) and same_device(acc.device, device)
+        for acc, ml in pairs)
 
 
 def score_halves(cfg: settings.SplitConfig | settings.InvariantConfig, head_dim: int) -> bool:
@@ -103,9 +113,12 @@ def score_halves(cfg: settings.SplitConfig | settings.InvariantConfig, head_dim:
     return cfg.qk_halves and head_dim >= 32
 
 
-def row_scratch(scratch, rows: int, block_w: int, device) -> torch.Tensor:
-    """The scratch rows of the kernels that sort a row of ``indices`` themselves: ``scratch`` checked, or a new
-    ``[rows, block_w]`` int32 tensor."""
+def row_scratch(scratch, rows: int, block_w: int, device, reuse=None) -> torch.Tensor:
+    """The scratch rows of the kernels that sort a row of ``indices`` themselves: ``scratch`` checked, or
+    ``reuse`` (an earlier plan's) where it is ``[rows, block_w]`` on ``device``, or a new one."""
+    if scratch is None and reuse is not None and tuple(reuse.shape) == (rows, block_w) \
+            and same_device(reuse.device, device):
+        return reuse
     if scratch is None:
         return torch.empty((rows, block_w), dtype=torch.int32, device=device)
     if scratch.dtype != torch.int32 or scratch.shape[0] != rows or scratch.shape[1] < block_w \

@@ -130,7 +130,7 @@ def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device
     else:
         route, grouped_rows = "grouped", rows // settings.GROUP_ROWS * settings.GROUP_ROWS
     direct = rows_sorted and index_width is not None and direct_admits(rows - grouped_rows, index_width)
-    return RoutePlan(route, grouped_rows, direct=direct)
+    return RoutePlan(route, grouped_rows, group_rows=settings.GROUP_ROWS, direct=direct)
 
 
 def direct_admits(rows: int, index_width: int) -> bool:

@@ -178,7 +178,7 @@ def _attend(step: StepInputs, kv, table, indices, route: str, order: str = "logi
     plan = plan_attention(indices, table, step.token_to_req, step.positions, step.seq_lens,
                           block_size=kv.shape[2], num_blocks=kv.shape[0], num_q_heads=step.q.shape[1],
                           num_kv_heads=kv.shape[3], head_dim=step.q.shape[2], route=route, order=order,
-                          max_query_len=max_query_len, rows_sorted=True)
+                          max_query_len=max_query_len, rows_sorted=True, kv_cache_dtype=step.kv_cache_dtype)
     return run_attention(plan, step.q, kv[:, 0], kv[:, 1], gate=step.gate, kv_cache_dtype=step.kv_cache_dtype,
                          k_scale=step.k_scale, v_scale=step.v_scale, return_lse=True)
 
@@ -344,15 +344,14 @@ class Verifier:
             holder["plan"] = plan_attention(idx, static["block_table"], s.token_to_req, s.positions, s.seq_lens,
                                             block_size=bs, num_blocks=nb, num_q_heads=hq, num_kv_heads=hkv,
                                             head_dim=d, route=self.route, order=self.order, out=holder.get("plan"),
-                                            workspace=holder.get("workspace"), max_query_len=self.max_query_len,
-                                            rows_sorted=True)
+                                            max_query_len=self.max_query_len,
+                                            rows_sorted=True, kv_cache_dtype=s.kv_cache_dtype)
             out, lse = run_attention(holder["plan"], s.q, static["kv"][:, 0], static["kv"][:, 1], gate=s.gate,
                                      kv_cache_dtype=s.kv_cache_dtype, k_scale=s.k_scale, v_scale=s.v_scale,
                                      out=holder["out"], return_lse=True)
             return idx, out, lse
 
         holder["out"] = torch.empty_like(s.q)
-        holder["workspace"] = _workspace_for(self.choice, s, self.device)
         eager_idx, _, _ = body()  # warm-up: compile kernels, allocate the plan
         eager_out, eager_lse = _attend(s, s.kv, s.block_table, eager_idx, self.route, self.order, self.max_query_len)
         torch.cuda.synchronize()
@@ -424,15 +423,6 @@ class Verifier:
         except AssertionError as e:
             c.failures, c.detail = 1, str(e).splitlines()[0]
         return c
-
-
-def _workspace_for(choice, step: StepInputs, device):
-    from ..attention.planning.plan import PlanWorkspace
-
-    if not choice.grouped_rows:
-        return None
-    groups = -(-choice.grouped_rows // choice.group_rows)
-    return PlanWorkspace.for_plan(step.block_table.to(device), block_size=step.kv.shape[2], num_groups=groups)
 
 
 def report(checks: list[Check]) -> str:

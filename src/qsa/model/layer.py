@@ -15,7 +15,7 @@ One step of one layer, for ``T`` rows (tokens of any requests; padding rows allo
 
 Per step, :class:`StepMetadata` is built once (rows' requests and positions, lengths, block table, slot
 mapping, the route, the attention plan's buffers) and every layer uses it; each layer has its own
-selection, so each layer refills the same plan buffers with ``plan_attention(..., out=, workspace=)``
+selection, so each layer refills the same plan buffers with ``plan_attention(..., out=plan)``
 before its attention, which keeps a step capturable in a CUDA graph.
 """
 
@@ -127,8 +127,9 @@ class StepMetadata:
         plan_order: "logical" (the contract) or "physical" (the demonstration of why it matters).
         backend: "triton" or "torch" for the selection and cache writes (:meth:`build` picks Triton
             wherever the route runs Triton kernels, see :func:`qsa.backend.kernel_backend`).
-        plan: the attention plan buffers, created by the first layer and refilled by the others.
-        workspace: the grouped planner's scratch, reused by every layer (CUDA-graph safe).
+        plan: the attention plan, created by the first layer and refilled by the others
+            (``plan_attention(..., out=plan)``): its buffers, split partials and the grouped planner's
+            scratch serve every layer (CUDA-graph safe).
         attn_out: ``[T, Hq, D]`` attention output buffer shared by the layers.
         routes_run: attention calls per route that ran with this metadata (each layer's call adds one
             to every route whose kernel it launched: ``grouped`` and ``xqa`` both for a step split
@@ -147,7 +148,6 @@ class StepMetadata:
     backend: str = "triton"
     max_query_len: int | None = None
     plan: object = field(default=None, repr=False)
-    workspace: object = field(default=None, repr=False)
     attn_out: torch.Tensor | None = field(default=None, repr=False)
     routes_run: dict = field(default_factory=dict, repr=False)
 
@@ -400,28 +400,14 @@ class QSAAttention(nn.Module):
         meta.plan = plan_attention(indices, meta.block_table, meta.token_to_req, meta.positions, meta.seq_lens,
                                    block_size=cache.block_size, num_blocks=cache.num_blocks,
                                    num_q_heads=self.num_q_heads, num_kv_heads=self.num_kv_heads,
-                                   head_dim=c.head_dim, route=meta.route, out=meta.plan,
-                                   workspace=self._workspace(meta, indices), order=meta.plan_order,
-                                   max_query_len=meta.max_query_len, rows_sorted=True)
+                                   head_dim=c.head_dim, route=meta.route, out=meta.plan, order=meta.plan_order,
+                                   max_query_len=meta.max_query_len, rows_sorted=True,
+                                   kv_cache_dtype=c.kv_cache_dtype)
         if meta.attn_out is None or meta.attn_out.shape != q.shape or meta.attn_out.dtype != q.dtype:
             meta.attn_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         out = run_attention(meta.plan, q, cache.k, cache.v, gate=gate, out=meta.attn_out, **kw)
         _record_routes(meta, routes_launched(meta.plan))
         return out
-
-    def _workspace(self, meta: StepMetadata, indices: torch.Tensor):
-        """The step's grouped-planner scratch, allocated on first use (None when no rows are grouped)."""
-        if meta.workspace is None:
-            from ..attention.planning.plan import PlanWorkspace
-
-            choice = routing.choose(meta.route, rows=meta.num_rows, G=self.num_q_heads // self.num_kv_heads,
-                                   head_dim=self.config.head_dim, device=indices.device,
-                                   max_query_len=meta.max_query_len)
-            if choice.route == "grouped" or choice.grouped_rows:
-                groups = -(-choice.grouped_rows // choice.group_rows)
-                meta.workspace = PlanWorkspace.for_plan(meta.block_table, block_size=meta.block_size,
-                                                        num_groups=max(groups, 1))
-        return meta.workspace
 
 
 def routes_launched(plan) -> tuple[str, ...]:

@@ -141,9 +141,7 @@ def _score_config(n_cols: int, dtype: torch.dtype) -> dict:
     if interpreter_enabled():
         return dict(BLOCK_R=16, BLOCK_N=16, n_per_prog=max(round_up(n_cols, 16), 16), num_warps=4,
                     num_stages=1)
-    if dtype == torch.float32:
-        return dict(BLOCK_R=16, BLOCK_N=32, n_per_prog=1024, num_warps=4, num_stages=1)
-    return dict(BLOCK_R=32, BLOCK_N=64, n_per_prog=2048, num_warps=4, num_stages=2)
+    return dict(settings.SELECT_SCORE_TILE_FP32 if dtype == torch.float32 else settings.SELECT_SCORE_TILE)
 
 
 def _launch_scores(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, out, *,
@@ -181,7 +179,7 @@ def _launch_clear_invalid(keys, token_to_req, block_table, num_blocks: int, rows
     num_reqs, max_blocks = block_table.shape
     if rows == 0 or max_blocks == 0:
         return
-    block_r, block_p = (16, 16) if interpreter_enabled() else (64, 64)
+    block_r, block_p = (16, 16) if interpreter_enabled() else settings.CLEAR_PAGES_TILE
     grid = (triton.cdiv(rows, block_r), triton.cdiv(max_blocks, block_p))
     clear_invalid_pages_kernel[grid](
         keys, token_to_req, block_table, rows, num_reqs, num_blocks, max_blocks, n_cols,
@@ -197,8 +195,8 @@ def _topk_config(n_cols: int, width: int) -> dict:
         block_n = max(next_pow2(n_cols), 16)
         cfg = dict(SINGLE_TILE=True, BLOCK_N=block_n, num_warps=4 if block_n <= 2048 else 8)
     else:
-        cfg = dict(SINGLE_TILE=False, BLOCK_N=4096, num_warps=8)
-    cfg.update(RADIX_BITS=8, EMIT_BLOCK=min(cfg["BLOCK_N"], 1024),
+        cfg = dict(SINGLE_TILE=False, **settings.SELECT_TOPK_LONG_ROW)
+    cfg.update(RADIX_BITS=8, EMIT_BLOCK=min(cfg["BLOCK_N"], settings.SELECT_TOPK_EMIT),
                OUT_BLOCK=min(max(next_pow2(width), 16), 2048))
     if interpreter_enabled():
         cfg["EMIT_BLOCK"] = cfg["BLOCK_N"]

@@ -10,6 +10,9 @@ row's bit of each microblock's mask. Long lists are split when the groups alone 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+
+import torch
 
 from ... import settings
 from ...utils import interpreter_enabled, launch_options, next_pow2
@@ -36,10 +39,43 @@ def grouped_config(G: int, head_dim: int, kv_fp8: bool = False) -> settings.Grou
                                   lazy_rescale=wide or (kv_fp8 and block_m == 64))
 
 
+@dataclass
+class GroupedLaunch:
+    """The grouped launch of one step, decided when it is planned: settings, split count, partials."""
+
+    config: settings.GroupedConfig
+    splits: int
+    partials: tuple[torch.Tensor, torch.Tensor] | None  # fp32 split partials where splits > 1
+
+
+def plan_launch(plan: GroupedPlan, *, num_q_heads: int, num_kv_heads: int, head_dim: int, kv_fp8: bool, device,
+                config: settings.GroupedConfig | None = None, num_splits: int | None = None,
+                reuse: GroupedLaunch | None = None) -> GroupedLaunch | None:
+    """Settings (default :func:`grouped_config`), splits (default
+    :func:`~qsa.attention.routing.split_count` over the plan's capacity) and partials of the grouped
+    launch of ``plan``; None for a plan of no groups. ``reuse``: an earlier plan's launch, whose partials
+    are kept where they fit."""
+    if plan.num_groups == 0:
+        return None
+    G = num_q_heads // num_kv_heads
+    cfg = config or grouped_config(G, head_dim, kv_fp8)
+    if plan.group_rows % cfg.rows_per_prog:
+        # A program computes whole sub-groups: the most rows that divide the plan's groups (plan_groups
+        # takes 1..8 rows per group; the public routes plan 8).
+        rows = max(r for r in range(1, cfg.rows_per_prog + 1) if plan.group_rows % r == 0)
+        cfg = dataclasses.replace(cfg, rows_per_prog=rows)
+    programs = plan.num_groups * (plan.group_rows // cfg.rows_per_prog) * num_kv_heads
+    splits = num_splits or routing.split_count(programs, -(-plan.capacity // cfg.mb), cfg.programs_per_sm, device)
+    parts = partials(plan.num_rows, num_q_heads, splits, head_dim, device,
+                     reuse=reuse.partials if reuse is not None else None) if splits > 1 else None
+    return GroupedLaunch(cfg, splits, parts)
+
+
 def grouped_attention(q, k, v, plan: GroupedPlan, *, out, lse, gate, softmax_scale, k_scale, v_scale,
                       kv_fp8: bool, config: settings.GroupedConfig | None = None,
-                      num_splits: int | None = None) -> None:
-    """Rows ``[0, plan.num_rows)`` of ``out`` (and ``lse``) from the grouped plan."""
+                      num_splits: int | None = None, launch: GroupedLaunch | None = None) -> None:
+    """Rows ``[0, plan.num_rows)`` of ``out`` (and ``lse``) from the grouped plan, as ``launch`` (from
+    :func:`plan_launch`) says; decided here from ``config`` and ``num_splits`` when it is None."""
     from .kernel import grouped_attention_kernel
 
     if plan.num_groups == 0:
@@ -47,19 +83,14 @@ def grouped_attention(q, k, v, plan: GroupedPlan, *, out, lse, gate, softmax_sca
     hq, d = q.shape[1], q.shape[2]
     hkv = k.shape[2]
     G = hq // hkv
-    cfg = config or grouped_config(G, d, kv_fp8)
-    if plan.group_rows % cfg.rows_per_prog:
-        # A program computes whole sub-groups: the most rows that divide the plan's groups (plan_groups
-        # takes 1..8 rows per group; the public routes plan 8).
-        rows = max(r for r in range(1, cfg.rows_per_prog + 1) if plan.group_rows % r == 0)
-        cfg = dataclasses.replace(cfg, rows_per_prog=rows)
+    if launch is None:
+        launch = plan_launch(plan, num_q_heads=hq, num_kv_heads=hkv, head_dim=d, kv_fp8=kv_fp8, device=q.device,
+                             config=config, num_splits=num_splits)
+    cfg, splits = launch.config, launch.splits
     q, qk_scale = scores_scale(q, softmax_scale, k_scale)
     strides, g, lse_t = kernel_args(q, k, v, out, gate, lse)
     subs = plan.group_rows // cfg.rows_per_prog
-    programs = plan.num_groups * subs * hkv
-    splits = num_splits or routing.split_count(programs, -(-plan.capacity // cfg.mb), cfg.programs_per_sm,
-                                               q.device)
-    part_acc, part_ml = partials(plan.num_rows, hq, splits, d, q.device) if splits > 1 else (out, out)
+    part_acc, part_ml = launch.partials if splits > 1 else (out, out)
     grouped_attention_kernel[(plan.num_groups * subs, hkv, splits)](
         q, k, v, plan.mb_ids, plan.masks, plan.counts, g, out, lse_t, part_acc, part_ml,
         plan.num_rows, hq, qk_scale, float(v_scale),

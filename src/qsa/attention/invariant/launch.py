@@ -8,7 +8,7 @@ give the same bits, so the choice, made from the batch's size, changes none.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -49,14 +49,50 @@ def invariant_merge_columns(num_splits: int, head_dim: int, block_g: int = 16) -
     return max(min(16, head_dim), min(head_dim, cols))
 
 
+@dataclass
+class InvariantLaunch:
+    """The batch-invariant launch of one step, decided when it is planned."""
+
+    config: settings.InvariantConfig
+    fold: bool  # one program per row and KV head folds the row's splits (else a program per split and a merge)
+    splits: int
+    block_w: int  # power of two >= the index width
+    merge_columns: int  # columns per program of the merge (fold False)
+    partials: tuple[torch.Tensor, torch.Tensor] | None  # fp32 split partials (fold False)
+    scratch: torch.Tensor  # [rows, block_w] int32 lists of rows that are not sorted
+
+
+def plan_launch(*, rows: int, index_width: int, num_q_heads: int, num_kv_heads: int, head_dim: int, kv_fp8: bool,
+                device, config: settings.InvariantConfig | None = None, fold: bool | None = None,
+                reuse: InvariantLaunch | None = None) -> InvariantLaunch | None:
+    """Settings (default :func:`invariant_config`), fold (default :func:`invariant_folds`), splits and
+    workspace of the batch-invariant launch of ``rows`` rows; None for no rows."""
+    if rows == 0:
+        return None
+    G = num_q_heads // num_kv_heads
+    cfg = config or invariant_config(G, head_dim, rows * num_kv_heads, kv_fp8)
+    block_w = max(16, next_pow2(index_width))
+    if fold is None:
+        fold = invariant_folds(rows * num_kv_heads)
+    splits = -(-direct_tiles(index_width, cfg.tile_tokens) // cfg.split_tiles)
+    parts = None if fold else partials(rows, num_q_heads, splits, head_dim, device,
+                                       reuse=reuse.partials if reuse is not None else None)
+    scratch = row_scratch(None, rows, block_w, device, reuse=reuse.scratch if reuse is not None else None)
+    columns = invariant_merge_columns(splits, head_dim, max(16, next_pow2(G)))
+    return InvariantLaunch(cfg, fold, splits, block_w, columns, parts, scratch)
+
+
 def invariant_attention(q, k, v, indices, block_table, token_to_req, positions, seq_lens, *, out, lse, gate,
                         softmax_scale, k_scale, v_scale, kv_fp8: bool, config: settings.InvariantConfig | None = None,
-                        fold: bool | None = None, scratch: torch.Tensor | None = None) -> None:
-    """All rows of ``out`` (and ``lse``) on the batch-invariant route, straight from ``indices``.
+                        fold: bool | None = None, scratch: torch.Tensor | None = None,
+                        launch: InvariantLaunch | None = None) -> None:
+    """All rows of ``out`` (and ``lse``) on the batch-invariant route, straight from ``indices``, as
+    ``launch`` (from :func:`plan_launch`) says; decided here when it is None.
 
     ``fold`` (default :func:`invariant_folds`) picks one program per row and KV head that folds
     the row's splits itself, or one per split and a merge launch; the two give the same bits, so the
-    choice, made from the batch's size, changes none. ``scratch`` as in :func:`qsa.attention.xqa.launch.xqa_direct_attention`."""
+    choice, made from the batch's size, changes none. ``scratch`` as in
+    :func:`qsa.attention.xqa.launch.xqa_direct_attention`."""
     from .kernel import invariant_attention_kernel, invariant_merge_kernel
 
     rows, hq, d = q.shape
@@ -65,15 +101,14 @@ def invariant_attention(q, k, v, indices, block_table, token_to_req, positions, 
     hkv = k.shape[2]
     G = hq // hkv
     width = indices.shape[1]
-    cfg = config or invariant_config(G, d, rows * hkv, kv_fp8)
-    block_w = max(16, next_pow2(width))
-    if fold is None:
-        fold = invariant_folds(rows * hkv)
-    splits = -(-direct_tiles(width, cfg.tile_tokens) // cfg.split_tiles)
+    if launch is None:
+        launch = plan_launch(rows=rows, index_width=width, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                             kv_fp8=kv_fp8, device=q.device, config=config, fold=fold)
+    cfg, fold, splits, block_w = launch.config, launch.fold, launch.splits, launch.block_w
     q, qk_scale = scores_scale(q, softmax_scale, k_scale)
     strides, g, lse_t = kernel_args(q, k, v, out, gate, lse)
-    scratch = row_scratch(scratch, rows, block_w, q.device)
-    part_acc, part_ml = (out, out) if fold else partials(rows, hq, splits, d, q.device)
+    scratch = launch.scratch if scratch is None else row_scratch(scratch, rows, block_w, q.device)
+    part_acc, part_ml = (out, out) if fold else launch.partials
     block_g = max(16, next_pow2(G))
     shared = dict(G=G, BLOCK_G=block_g, NUM_SPLITS=splits, HEAD_DIM=d, HAS_GATE=gate is not None,
                   RETURN_LSE=lse is not None)
@@ -87,7 +122,7 @@ def invariant_attention(q, k, v, indices, block_table, token_to_req, positions, 
         HALVES=score_halves(cfg, d), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}), **launch_options(q.device))
     if not fold:
-        block_d = invariant_merge_columns(splits, d, block_g)
+        block_d = launch.merge_columns
         invariant_merge_kernel[(rows, hkv, d // block_d)](
             part_acc, part_ml, g, out, lse_t, hq, float(v_scale), strides["stride_o_row"], strides["stride_o_head"],
             strides["stride_g_row"], strides["stride_g_head"], strides["stride_lse_row"], **shared,

@@ -7,7 +7,9 @@ the rows alone do not fill the GPU, and the splits merged in order.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
+
+import torch
 
 from ... import settings, utils
 from ...utils import launch_options, next_pow2
@@ -44,11 +46,39 @@ def splitk_config(G: int, head_dim: int, lists: int | None = None, kv_fp8: bool 
     return long
 
 
+@dataclass
+class SplitkLaunch:
+    """The splitk launch of one step, decided when it is planned."""
+
+    config: settings.SplitConfig
+    splits: int
+    partials: tuple[torch.Tensor, torch.Tensor] | None  # fp32 split partials where splits > 1
+
+
+def plan_launch(*, rows: int, index_width: int, num_q_heads: int, num_kv_heads: int, head_dim: int, kv_fp8: bool,
+                device, config: settings.SplitConfig | None = None, num_splits: int | None = None,
+                reuse: SplitkLaunch | None = None) -> SplitkLaunch | None:
+    """Settings (default :func:`splitk_config` for the launch's lists on this GPU), splits and partials of
+    the splitk launch of ``rows`` rows of token lists ``index_width`` wide; None for no rows."""
+    if rows == 0:
+        return None
+    G = num_q_heads // num_kv_heads
+    facts = utils.device_facts(str(device))
+    cfg = config or splitk_config(G, head_dim, rows * num_kv_heads, kv_fp8=kv_fp8,
+                                  sm_count=facts["sm_count"] if facts["kind"] == "cuda" else None)
+    splits = num_splits or routing.split_count(rows * num_kv_heads, -(-index_width // cfg.tile_tokens),
+                                               cfg.programs_per_sm, device)
+    parts = partials(rows, num_q_heads, splits, head_dim, device,
+                     reuse=reuse.partials if reuse is not None else None) if splits > 1 else None
+    return SplitkLaunch(cfg, splits, parts)
+
 
 def splitk_attention(q, k, v, tokens, counts, block_table, token_to_req, *, block_size: int, out, lse,
                      gate, softmax_scale, k_scale, v_scale, kv_fp8: bool,
-                     config: settings.SplitConfig | None = None, num_splits: int | None = None) -> None:
-    """All rows of ``out`` (and ``lse``) from per-row token lists (``plan.token_lists``)."""
+                     config: settings.SplitConfig | None = None, num_splits: int | None = None,
+                     launch: SplitkLaunch | None = None) -> None:
+    """All rows of ``out`` (and ``lse``) from per-row token lists (``plan.token_lists``), as ``launch``
+    (from :func:`plan_launch`) says; decided here when it is None."""
     from .kernel import splitk_attention_kernel
 
     rows, hq, d = q.shape
@@ -56,14 +86,13 @@ def splitk_attention(q, k, v, tokens, counts, block_table, token_to_req, *, bloc
         return
     hkv = k.shape[2]
     G = hq // hkv
-    facts = utils.device_facts(str(q.device))
-    cfg = config or splitk_config(G, d, rows * hkv, kv_fp8=kv_fp8,
-                                         sm_count=facts["sm_count"] if facts["kind"] == "cuda" else None)
-    splits = num_splits or routing.split_count(rows * hkv, -(-tokens.shape[1] // cfg.tile_tokens),
-                                              cfg.programs_per_sm, q.device)
+    if launch is None:
+        launch = plan_launch(rows=rows, index_width=tokens.shape[1], num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                             kv_fp8=kv_fp8, device=q.device, config=config, num_splits=num_splits)
+    cfg, splits = launch.config, launch.splits
     q, qk_scale = scores_scale(q, softmax_scale, k_scale)
     strides, g, lse_t = kernel_args(q, k, v, out, gate, lse)
-    part_acc, part_ml = partials(rows, hq, splits, d, q.device) if splits > 1 else (out, out)
+    part_acc, part_ml = launch.partials if splits > 1 else (out, out)
     splitk_attention_kernel[(rows, hkv, splits)](
         q, k, v, tokens, counts, block_table, token_to_req, g, out, lse_t, part_acc, part_ml,
         hq, qk_scale, float(v_scale),
@@ -76,4 +105,4 @@ def splitk_attention(q, k, v, tokens, counts, block_table, token_to_req, *, bloc
     )
     if splits > 1:
         merge_splits(part_acc, part_ml, out=out, lse=lse, gate=gate, row_offset=0, v_scale=v_scale,
-               num_splits=splits)
+                     num_splits=splits)

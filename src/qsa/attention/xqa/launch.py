@@ -9,6 +9,8 @@ a row that either kernel could take is cut the same way by both (:func:`xqa_cut`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ... import settings, utils
@@ -112,12 +114,43 @@ def direct_resolves(programs: int, splits: int, split_entries: int, programs_per
     return split_entries <= settings.DIRECT_RESOLVE_WAVE_MAX and programs * splits <= programs_per_sm * facts["sm_count"]
 
 
+@dataclass
+class XqaLaunch:
+    """The planned xqa launch of one step, decided when it is planned."""
+
+    config: settings.SplitConfig
+    splits: int
+    cut_tiles: int  # each split cut at most this many tiles (0: the row's own tile count; :func:`xqa_cut`)
+    partials: tuple[torch.Tensor, torch.Tensor] | None  # fp32 split partials where splits > 1
+
+
+def plan_launch(plan: SingleRowPlan, *, rows: int, row_start: int, num_q_heads: int, num_kv_heads: int,
+                head_dim: int, kv_fp8: bool, device, index_width: int | None = None,
+                config: settings.SplitConfig | None = None, num_splits: int | None = None,
+                reuse: XqaLaunch | None = None) -> XqaLaunch | None:
+    """Settings (default :func:`xqa_config`), cut and partials of the planned xqa launch of rows
+    ``[row_start, rows)``; None when there are none."""
+    n = rows - row_start
+    if n <= 0:
+        return None
+    G = num_q_heads // num_kv_heads
+    cfg = config or xqa_config(G, head_dim)
+    cut = xqa_cut(G, head_dim, n, num_kv_heads, index_width, cfg.tile_tokens, kv_fp8, device)
+    splits = num_splits or (cut[0] if cut else routing.split_count(n * num_kv_heads,
+                                                                   -(-plan.capacity // (cfg.tile_tokens // 4)),
+                                                                   cfg.programs_per_sm, device))
+    parts = partials(n, num_q_heads, splits, head_dim, device,
+                     reuse=reuse.partials if reuse is not None else None) if splits > 1 else None
+    return XqaLaunch(cfg, splits, cut[1] if cut else 0, parts)
+
+
 def xqa_attention(q, k, v, plan: SingleRowPlan, *, row_start: int, out, lse, gate, softmax_scale,
                   k_scale, v_scale, kv_fp8: bool, config: settings.SplitConfig | None = None,
-                  num_splits: int | None = None, index_width: int | None = None) -> None:
-    """Rows ``[row_start, rows)`` of ``out`` (and ``lse``) from the single-row plan; ``index_width`` (the
-    columns of the ``indices`` it was planned from) cuts rows the direct kernel could take as it would
-    (:func:`xqa_cut`)."""
+                  num_splits: int | None = None, index_width: int | None = None,
+                  launch: XqaLaunch | None = None) -> None:
+    """Rows ``[row_start, rows)`` of ``out`` (and ``lse``) from the single-row plan, as ``launch`` (from
+    :func:`plan_launch`) says; decided here when it is None (``index_width``, the columns of the
+    ``indices`` planned from, cuts rows the direct kernel could take as it would: :func:`xqa_cut`)."""
     from .kernel import xqa_attention_kernel
 
     rows, hq, d = q.shape
@@ -126,19 +159,19 @@ def xqa_attention(q, k, v, plan: SingleRowPlan, *, row_start: int, out, lse, gat
         return
     hkv = k.shape[2]
     G = hq // hkv
-    cfg = config or xqa_config(G, d)
-    mb = cfg.tile_tokens // 4
-    cut = xqa_cut(G, d, n, hkv, index_width, cfg.tile_tokens, kv_fp8, q.device)
-    splits = num_splits or (cut[0] if cut else routing.split_count(n * hkv, -(-plan.capacity // mb),
-                                                                   cfg.programs_per_sm, q.device))
+    if launch is None:
+        launch = plan_launch(plan, rows=rows, row_start=row_start, num_q_heads=hq, num_kv_heads=hkv, head_dim=d,
+                             kv_fp8=kv_fp8, device=q.device, index_width=index_width, config=config,
+                             num_splits=num_splits)
+    cfg, splits = launch.config, launch.splits
     q, qk_scale = scores_scale(q, softmax_scale, k_scale)
     strides, g, lse_t = kernel_args(q, k, v, out, gate, lse)
-    part_acc, part_ml = partials(n, hq, splits, d, q.device) if splits > 1 else (out, out)
+    part_acc, part_ml = launch.partials if splits > 1 else (out, out)
     xqa_attention_kernel[(n, hkv, splits)](
         q, k, v, plan.mb_ids, plan.masks, plan.counts, g, out, lse_t, part_acc, part_ml,
-        row_start, cut[1] if cut else 0, hq, qk_scale, float(v_scale),
+        row_start, launch.cut_tiles, hq, qk_scale, float(v_scale),
         stride_ids=plan.mb_ids.stride(0), stride_masks=plan.masks.stride(0), **strides,
-        G=G, BLOCK_G=max(16, next_pow2(G)), MB=mb, NUM_SPLITS=splits, PREFETCH=cfg.prefetch,
+        G=G, BLOCK_G=max(16, next_pow2(G)), MB=cfg.tile_tokens // 4, NUM_SPLITS=splits, PREFETCH=cfg.prefetch,
         HALVES=score_halves(cfg, d),
         HEAD_DIM=d, BLOCK_SIZE=plan.block_size, KV_FP8=kv_fp8, SAME_KV_STRIDES=same_kv_strides(k, v),
         DOT_DTYPE=dot_dtype(q),
@@ -150,14 +183,61 @@ def xqa_attention(q, k, v, plan: SingleRowPlan, *, row_start: int, out, lse, gat
                      num_splits=splits, xqa_lists=n * hkv)
 
 
+@dataclass
+class DirectLaunch:
+    """The direct xqa launch of one step (and its deferred merge), decided when it is planned."""
+
+    config: settings.SplitConfig
+    splits: int
+    block_w: int  # power of two >= the index width
+    split_n: int  # a split's entries, rounded up to a power of two
+    resolve: bool  # each split's entries all read before its loop (:func:`direct_resolves`)
+    defer: bool  # each split checks its own positions; the deferred merge recomputes a row out of order
+    partials: tuple[torch.Tensor, torch.Tensor] | None  # fp32 split partials where splits > 1
+    redo: tuple[torch.Tensor, torch.Tensor] | None  # the deferred merge's partials of rows it recomputes
+    scratch: torch.Tensor  # [rows, block_w] int32 lists of rows that are not sorted
+    merge: tuple[int, int, int | None] | None  # the deferred merge's (columns, warps, register cap)
+
+
+def plan_direct_launch(*, rows: int, row_start: int, index_width: int, num_q_heads: int, num_kv_heads: int,
+                       head_dim: int, kv_fp8: bool, device, config: settings.SplitConfig | None = None,
+                       num_splits: int | None = None, reuse: DirectLaunch | None = None) -> DirectLaunch | None:
+    """Settings (default :func:`xqa_direct_config`), splits (:func:`direct_cut`), workspace and merge of
+    the direct xqa launch of rows ``[row_start, rows)``; None when there are none."""
+    n = rows - row_start
+    if n <= 0:
+        return None
+    G = num_q_heads // num_kv_heads
+    lists = n * num_kv_heads
+    cfg = config or xqa_direct_config(G, head_dim, lists, kv_fp8=kv_fp8)
+    block_w = max(16, next_pow2(index_width))
+    cut_splits, tiles = direct_cut(lists, index_width, cfg, device)
+    splits = num_splits or cut_splits
+    split_n = next_pow2(-(-tiles // splits) * cfg.tile_tokens)  # a split's entries, rounded up
+    resolve = cfg.resolve_split and direct_resolves(lists, splits, split_n, cfg.programs_per_sm, device)
+    defer = cfg.defer_check and resolve and splits > 1
+    parts = redo = merge = None
+    if defer:  # the merge recomputes a row out of order into partials of its own
+        old = (reuse.partials, reuse.redo) if reuse is not None and reuse.redo is not None else None
+        parts, redo = partials(n, num_q_heads, splits, head_dim, device, copies=2, reuse=old)
+        block_d, warps = common.merge_config(splits, head_dim, xqa_lists=lists)
+        merge = (block_d, warps, direct_merge_registers(lists * splits, cfg.programs_per_sm, device))
+    elif splits > 1:
+        parts = partials(n, num_q_heads, splits, head_dim, device,
+                         reuse=reuse.partials if reuse is not None and reuse.redo is None else None)
+    scratch = row_scratch(None, rows, block_w, device, reuse=reuse.scratch if reuse is not None else None)
+    return DirectLaunch(cfg, splits, block_w, split_n, resolve, defer, parts, redo, scratch, merge)
+
+
 def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions, seq_lens, *, row_start: int,
                          out, lse, gate, softmax_scale, k_scale, v_scale, kv_fp8: bool,
                          config: settings.SplitConfig | None = None, num_splits: int | None = None,
-                         scratch: torch.Tensor | None = None) -> None:
+                         scratch: torch.Tensor | None = None, launch: DirectLaunch | None = None) -> None:
     """Rows ``[row_start, rows)`` of ``out`` (and ``lse``) straight from ``indices``: no plan launch.
 
-    ``scratch`` (``[rows, >= next_pow2(W)]`` int32, allocated when None) receives the lists of rows that
-    are not sorted; the rows of sorted ones are left untouched."""
+    As ``launch`` (from :func:`plan_direct_launch`) says; decided here when it is None. ``scratch``
+    (``[rows, >= next_pow2(W)]`` int32; default the launch's) receives the lists of rows that are not
+    sorted; the rows of sorted ones are left untouched."""
     from .kernel import xqa_direct_kernel
 
     rows, hq, d = q.shape
@@ -167,20 +247,15 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
     hkv = k.shape[2]
     G = hq // hkv
     width = indices.shape[1]
-    cfg = config or xqa_direct_config(G, d, n * hkv, kv_fp8=kv_fp8)
-    block_w = max(16, next_pow2(width))
-    cut_splits, tiles = direct_cut(n * hkv, width, cfg, q.device)
-    splits = num_splits or cut_splits
+    if launch is None:
+        launch = plan_direct_launch(rows=rows, row_start=row_start, index_width=width, num_q_heads=hq,
+                                    num_kv_heads=hkv, head_dim=d, kv_fp8=kv_fp8, device=q.device, config=config,
+                                    num_splits=num_splits)
+    cfg, splits, block_w, resolve, defer = launch.config, launch.splits, launch.block_w, launch.resolve, launch.defer
     q, qk_scale = scores_scale(q, softmax_scale, k_scale)
     strides, g, lse_t = kernel_args(q, k, v, out, gate, lse)
-    scratch = row_scratch(scratch, rows, block_w, q.device)
-    split_n = next_pow2(-(-tiles // splits) * cfg.tile_tokens)  # a split's entries, rounded up
-    resolve = cfg.resolve_split and direct_resolves(n * hkv, splits, split_n, cfg.programs_per_sm, q.device)
-    defer = cfg.defer_check and resolve and splits > 1
-    if defer:  # the merge recomputes a row out of order into partials of its own
-        (part_acc, part_ml), redo = partials(n, hq, splits, d, q.device, copies=2)
-    else:
-        part_acc, part_ml = partials(n, hq, splits, d, q.device) if splits > 1 else (out, out)
+    scratch = launch.scratch if scratch is None else row_scratch(scratch, rows, block_w, q.device)
+    part_acc, part_ml = launch.partials if splits > 1 else (out, out)
     inputs = (q, k, v, indices, block_table, token_to_req, positions, seq_lens, scratch)
     sizes = (row_start, width, block_table.shape[0], block_table.shape[1], k.shape[0], hq, qk_scale, float(v_scale))
     shared = dict(stride_idx_row=indices.stride(0), stride_scratch_row=scratch.stride(0),
@@ -190,7 +265,7 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
                   DOT_DTYPE=dot_dtype(q), HAS_GATE=gate is not None, RETURN_LSE=lse is not None)
     xqa_direct_kernel[(n, hkv, splits)](
         *inputs, g, out, lse_t, part_acc, part_ml, *sizes, **shared,
-        PREFETCH=cfg.prefetch and not resolve, SPLIT_N=split_n if resolve else 0, DEFER_CHECK=defer,
+        PREFETCH=cfg.prefetch and not resolve, SPLIT_N=launch.split_n if resolve else 0, DEFER_CHECK=defer,
         HALVES=score_halves(cfg, d),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}),
@@ -200,10 +275,9 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
     if defer:
         from .kernel import xqa_direct_merge_kernel
 
-        block_d, warps = common.merge_config(splits, d, xqa_lists=n * hkv)
-        cap = direct_merge_registers(n * hkv * splits, cfg.programs_per_sm, q.device)
+        block_d, warps, cap = launch.merge
         xqa_direct_merge_kernel[(n, hq, d // block_d)](
-            part_acc, part_ml, *redo, out, g, lse_t, *inputs, *sizes, **shared, BLOCK_S=next_pow2(splits),
+            part_acc, part_ml, *launch.redo, out, g, lse_t, *inputs, *sizes, **shared, BLOCK_S=next_pow2(splits),
             BLOCK_D=block_d, HALVES=score_halves(cfg, d), num_warps=warps, **({"maxnreg": cap} if cap else {}),
             **launch_options(q.device))
     elif splits > 1:
