@@ -81,15 +81,22 @@ def selection_hashes(scn: registry.Scenario, device: str) -> dict:
         return {"select": dict(error=f"{type(e).__name__}: {e}"[:300])}
 
 
-def hashes(scenarios, device: str, log=None) -> dict:
-    """``{scenario: {route: {"out": hex, "lse": hex, ...} or {"error": text}}}``."""
+def hashes(scenarios, device: str, log=None, after=None) -> dict:
+    """``{scenario: {route: {"out": hex, "lse": hex, ...} or {"error": text}}}``; ``after(table)`` is
+    called after each scenario (a run cut short keeps what it hashed)."""
+    import time
+
     import torch
 
     result = {}
     for scn in scenarios:
+        start = time.perf_counter()
         result[scn.name] = (attention_hashes if scn.kind == "attention" else selection_hashes)(scn, device)
         if log is not None:
-            print(f"{scn.name}: {', '.join(sorted(result[scn.name]))}", file=log, flush=True)
+            print(f"{scn.name} ({time.perf_counter() - start:.0f} s): {', '.join(sorted(result[scn.name]))}",
+                  file=log, flush=True)
+        if after is not None:
+            after(result)
         if torch.device(device).type == "cuda":
             torch.cuda.empty_cache()
     return result
@@ -114,7 +121,7 @@ def main(argv=None) -> int:
                                 description="SHA-256 of every route's output on the benchmark scenarios")
     p.add_argument("--scenario", "-s", action="append", metavar="GLOB",
                    help="scenarios matching GLOB (repeatable; default: all but the tiny test ones; with "
-                        "--compare: those of the saved file)")
+                        "--compare: those of the saved file, or of them the ones matching)")
     p.add_argument("--out", type=Path, help="write the table here (JSON)")
     p.add_argument("--compare", type=Path, help="a saved table: rerun its scenarios, exit 1 on any difference")
     p.add_argument("--device", default="auto", help="auto (the GPU if there is one), cpu or cuda[:N]")
@@ -130,19 +137,28 @@ def main(argv=None) -> int:
     saved = None
     if args.compare is not None:
         saved = json.loads(args.compare.read_text())
-        names = list(saved["hashes"])
-        scenarios = [registry.BY_NAME[n] for n in names if n in registry.BY_NAME]
+        names = set(saved["hashes"])
+        scenarios = [s for s in (registry.select(args.scenario) if args.scenario else
+                                 [registry.BY_NAME[n] for n in sorted(names) if n in registry.BY_NAME])
+                     if s.name in names]
+        saved["hashes"] = {s.name: saved["hashes"][s.name] for s in scenarios}
     else:
         scenarios = registry.select(args.scenario)
     if not scenarios:
         p.error(f"no scenario matches {args.scenario}")
     from .report import device_info
 
-    table = hashes(scenarios, device, log=sys.stderr)
-    record = dict(device=device_info(device)["name"], torch=torch.__version__, hashes=table)
+    name = device_info(device)["name"]
+
+    def write(table):
+        if args.out is not None:
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            record = dict(device=name, torch=torch.__version__, hashes=table)
+            args.out.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+
+    table = hashes(scenarios, device, log=sys.stderr, after=write)
+    record = dict(device=name, torch=torch.__version__, hashes=table)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         print(f"wrote {args.out}: {len(table)} scenarios")
     errors = [f"{s}:{r}" for s, routes in table.items() for r, v in routes.items() if "error" in v]
     if saved is not None:

@@ -325,16 +325,15 @@ def check_merge_and_planner_kernels():
     groups = {"idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32",
               "g_ids_ptr": "*i32", "g_masks_ptr": "*i32", "g_counts_ptr": "*i32", "bits_ptr": "*i32"}
     for cfg in (PLANNER, PLANNER_FEW, PLANNER_SHORT):
-        for layout, summary in ((0, cfg.summary), (0, not cfg.summary), (1, False)):
+        for summary in (cfg.summary, not cfg.summary):
             # XCAP (a multiple of 512) is specialised as divisible by 16 in real launches, like the strides.
             usage = compile_sm90(grouped_plan_kernel, groups,
                                  dict(GROUP_ROWS=8, BLOCK_Q=8, BLOCK_SIZE=16, QUADS=cfg.quads, SCAN=cfg.scan,
-                                      LAYOUT=layout, PAD=16, SUMMARY=summary, PTX=True,
-                                      LATE_TABLE=cfg.late_table and layout == 0),
+                                      PAD=16, SUMMARY=summary, PTX=True, LATE_TABLE=cfg.late_table),
                                  num_warps=cfg.num_warps,
                                  divisible={p.name for p in grouped_plan_kernel.params
                                             if p.name == "XCAP" or p.name.startswith("stride_")})
-            if cfg is not PLANNER_FEW and (layout, summary) == (0, cfg.summary):
+            if cfg is not PLANNER_FEW and summary == cfg.summary:
                 # The persistent grid is resident at once: more programs than fit an SM would only wait for
                 # a free slot (PLANNER_FEW launches fewer programs than SMs).
                 assert_resident(cfg.programs_per_sm, cfg.num_warps, usage, cfg)

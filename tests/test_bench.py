@@ -527,8 +527,8 @@ def test_tune_smoke_checks_and_times_every_setting(tmp_path, monkeypatch):
     _check_single_row_records(records)
     whats = {r["what"] for r in records}
     assert {"plan-grouped", "grouped-attn"} <= whats
-    layouts = {r["setting"][4] for r in records if r["what"] == "plan-grouped" and r["setting"] != "-"}
-    assert layouts == {"nibbles", "rows"}
+    summaries = {r["setting"][4] for r in records if r["what"] == "plan-grouped" and r["setting"] != "-"}
+    assert summaries == {True, False}  # the scan of flagged sectors and of every word
     assert any(len(r["setting"]) >= 8 and r["setting"][7] for r in records if r["what"] == "plan-grouped")  # the map
 
 
@@ -552,13 +552,13 @@ def test_tune_checks_each_setting_on_its_own_output(tmp_path, monkeypatch):
     from benchmarks import tune
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    real, calls = tune.attention.splitk_attention, []
+    real, calls = tune.qsa.attention.splitk.launch.splitk_attention, []
 
     def first_setting_only(*a, config, **kw):
         calls.append(config)
         if config == calls[0]:
             real(*a, config=config, **kw)
-    monkeypatch.setattr(tune.attention, "splitk_attention", first_setting_only)
+    monkeypatch.setattr(tune.qsa.attention.splitk.launch, "splitk_attention", first_setting_only)
     assert tune.main(["--smoke", "--splitk-only", "--only", "decode", "--out", str(tmp_path)]) == 0
     records = json.load(open(tmp_path / "tune.json"))["records"]
     assert [r["error"] is None for r in records] == [True, False], records
@@ -846,6 +846,6 @@ def test_ab_extracts_a_commits_source(tmp_path):
         pytest.skip("not a git checkout")
     src = ab.extract("HEAD", str(tmp_path))
     assert os.path.isfile(os.path.join(src, "qsa", "__init__.py"))
-    assert os.path.isfile(os.path.join(src, "qsa", "kernels", "xqa.py"))
+    assert os.path.isfile(os.path.join(src, "qsa", "attention", "xqa", "kernel.py"))
     with pytest.raises(subprocess.CalledProcessError):
         ab.extract("no-such-revision", str(tmp_path / "x"))

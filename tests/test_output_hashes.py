@@ -28,3 +28,31 @@ def test_hashes_are_stable_and_a_changed_route_is_reported():
     broken = {scn.name: dict(routes, splitk=dict(error="RuntimeError: x"))}
     assert [d.split(":")[1] for d in output_hashes.differences(first, broken)] == ["splitk"]
     assert output_hashes.differences(first, {}) == ["tiny-decode: only in the saved table"]
+
+
+def test_cli_writes_as_it_goes_and_compares_a_subset(tmp_path, monkeypatch, capsys):
+    """``--out`` holds every scenario hashed so far (a run cut short keeps them); ``--compare`` with
+    ``--scenario`` reruns only the named ones of the saved table, and a moved hash among them exits 1."""
+    import json
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    out = tmp_path / "h.json"
+    seen = []
+    real = output_hashes.hashes
+
+    def watching(scenarios, device, log=None, after=None):
+        def after_each(table):
+            after(table)
+            seen.append(sorted(json.loads(out.read_text())["hashes"]))
+        return real(scenarios, device, log=log, after=after_each)
+
+    monkeypatch.setattr(output_hashes, "hashes", watching)
+    assert output_hashes.main(["--device", "cpu", "-s", "tiny-decode", "-s", "tiny-prefill", "--out", str(out)]) == 0
+    assert seen == [["tiny-prefill"], ["tiny-decode", "tiny-prefill"]]  # in run order
+    assert output_hashes.main(["--device", "cpu", "--compare", str(out), "-s", "tiny-decode"]) == 0
+    assert "1 scenarios compared: 0 differences" in capsys.readouterr().out
+    saved = json.loads(out.read_text())
+    saved["hashes"]["tiny-decode"]["xqa"]["out"] = "0" * 64  # known-wrong: a moved output
+    out.write_text(json.dumps(saved))
+    assert output_hashes.main(["--device", "cpu", "--compare", str(out), "-s", "tiny-decode"]) == 1
+    assert "DIFFERS tiny-decode:xqa" in capsys.readouterr().out
