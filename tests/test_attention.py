@@ -16,7 +16,7 @@ import qsa.attention.xqa.launch
 import qsa.settings
 import qsa.utils
 from qsa.cache.paged import PagedKVCache, random_mapping
-from helpers import assert_bitwise, make_attention_case
+from helpers import assert_bitwise, check_against_reference, make_attention_case
 from qsa.attention.reference import assert_close_like_torch, reference_attention
 
 ROUTES = ("grouped", "xqa", "splitk", "invariant")
@@ -736,3 +736,46 @@ def test_a_non_finite_value_stays_in_its_rows_or_group(route):
     for r in spared:
         assert torch.equal(out[r], clean[r]), f"row {r} changed"
     assert not out[9].isfinite().all()  # the row that reads the slot is not finite: the check can fail
+
+
+
+def _launch_buffers(plan):
+    """Data pointers of every partial and scratch tensor the plan's launches hold."""
+    ptrs = []
+    for launch in vars(plan.launches).values():
+        if launch is not None:
+            ptrs += [t.data_ptr() for t in (launch.partials or ())]
+            ptrs += [launch.scratch.data_ptr()] if getattr(launch, "scratch", None) is not None else []
+    return ptrs
+
+
+@pytest.mark.parametrize("route", ["grouped", "xqa", "splitk", "invariant"])
+def test_the_plan_decides_every_launch(route, monkeypatch):
+    """Settings, splits and partials are decided by plan_attention: run_attention decides nothing (a
+    route choice or split count asked for at run time fails the test), a plan refilled with ``out=`` keeps
+    its partials and scratch, and a plan made for one cache dtype refuses another."""
+    case = make_attention_case(rows=11, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16,
+                               block_size=16, width=200, max_seq_len=400, messy=False, seed=4)
+    three = lambda programs, max_tiles, per_sm, device, cap=None: 3  # noqa: E731
+    monkeypatch.setattr(qsa.attention.routing, "split_count", three)
+    monkeypatch.setattr(qsa.settings, "INVARIANT_FOLD_LISTS", 1 << 30)  # a program per split, then the merge
+    shape = dict(num_q_heads=2, num_kv_heads=1, head_dim=16, route=route)
+    plan = qsa.plan_attention(**case.plan_inputs(), **shape)
+    buffers = _launch_buffers(plan)
+    assert buffers, "the plan holds the step's partials"
+    choose = qsa.attention.routing.choose
+
+    def decided_at_run(*a, **kw):
+        raise AssertionError("run_attention decided a launch")
+
+    monkeypatch.setattr(qsa.attention.routing, "split_count", decided_at_run)
+    monkeypatch.setattr(qsa.attention.routing, "choose", decided_at_run)
+    got = qsa.run_attention(plan, case.q, case.cache.k, case.cache.v, gate=case.gate, return_lse=True)
+    check_against_reference(case, got, route)
+    monkeypatch.setattr(qsa.attention.routing, "split_count", three)
+    monkeypatch.setattr(qsa.attention.routing, "choose", choose)
+    again = qsa.plan_attention(**case.plan_inputs(), **shape, out=plan)
+    assert again is plan and _launch_buffers(plan) == buffers, "a refilled plan keeps its buffers"
+    with pytest.raises(ValueError, match="kv_cache_dtype='auto'"):
+        fp8 = torch.zeros(case.cache.k.shape, dtype=torch.uint8)
+        qsa.run_attention(plan, case.q, fp8, fp8.clone(), kv_cache_dtype="fp8_e4m3")
