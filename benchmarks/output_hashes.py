@@ -3,8 +3,8 @@
 A change that should not move a bit (a file moved, a launcher rewritten, a check added) is shown to
 move none by hashing each route's output on every scenario before and after it, on the same device::
 
-    PYTHONPATH=src python3 -m benchmarks.output_hashes --out benchmarks/results/output-hashes-nvidia-h200.json
-    PYTHONPATH=src python3 -m benchmarks.output_hashes --compare benchmarks/results/output-hashes-nvidia-h200.json
+    PYTHONPATH=src python3 -m benchmarks.output_hashes --out benchmarks/results/output-hashes-nvidia-h100.json
+    PYTHONPATH=src python3 -m benchmarks.output_hashes --compare benchmarks/results/output-hashes-nvidia-h100.json
 
 Each attention scenario is built as ``qsa bench`` builds it (:func:`benchmarks.generators.attention_workload`)
 and run through plan + run on every kernel route the scenario measures, and on ``auto`` (with the
