@@ -142,6 +142,10 @@ SCENARIOS: tuple[Scenario, ...] = (
     _decode(1, invariant=True),
     _decode(16, invariant=True),
     _decode(256, invariant=True),
+    Scenario(name="mixed-185", rows=185, context=64 * K, overlap=0.8, routes=("grouped", "xqa", "splitk", "naive"),
+             description="185 rows of one request @ 64K (auto: 184 grouped rows and one xqa row)"),
+    Scenario(name="chunk-2048", rows=2048, context=64 * K, overlap=0.8, routes=("grouped", "xqa", "splitk", "naive"),
+             description="a 2048-row prefill chunk of one request @ 64K"),
     # --- shape and dtype variants ---
     _prefill("prefill-64k-o80-12x1", 64 * K, 0.8, num_q_heads=12, num_kv_heads=1),
     _prefill("prefill-64k-o80-24x2", 64 * K, 0.8, num_q_heads=24, num_kv_heads=2),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import fnmatch
 import json
 import math
 import os
@@ -39,7 +40,28 @@ TARGETS = (
     ("mtp-16-best-vs-splitk", "mtp-16", ">=", 1.5, "x", "splitk time / best route time"),
     ("selection-8192x16384-vs-torch", "selection-8192x16384", ">=", 5.0, "x",
      "torch_select_baseline time / select_tokens time; select_tokens must be exact"),
+    # worst cases over several scenarios (host_cost_targets): the "scenario" column names the set; the
+    # evaluated target names the scenario (and route) of the worst case
+    ("eager-host-plan-run-us", "host-cost steps", "<=", 30.0, "us",
+     "worst host time to enqueue one sparse_paged_attention call (plan + run), auto and forced routes"),
+    ("eager-host-run-us", "host-cost steps", "<=", 15.0, "us",
+     "worst host time of one run_attention call on a held plan, auto and forced routes"),
+    ("eager-over-graph-us", "host-cost steps", "<=", 20.0, "us",
+     "worst (eager call - CUDA-graph replay) time of one plan + run step, auto and forced routes"),
+    ("auto-vs-best-route", "attention scenarios", "<=", 1.05, "x",
+     "worst auto time / fastest forced route (grouped, xqa, splitk) time, the worse of graph and eager"),
 )
+
+HOST_COST_STEPS = ("decode-1", "decode-16", "decode-64*", "decode-256", "mtp-*", "mixed-185", "chunk-2048",
+                   "prefill-64k-o80*")
+"""The steps of the host-cost goal (globs over scenario names): the eager and host targets take their
+worst case over the scenarios of this set that a run measured."""
+HOST_COST_ROUTES = ("auto", "grouped", "xqa", "splitk", "invariant")
+"""Routes whose eager and host figures the host-cost targets take."""
+AUTO_RIVALS = ("grouped", "xqa", "splitk")
+"""The forced routes ``auto`` chooses among, against whose fastest ``auto-vs-best-route`` measures it
+(``invariant`` is never auto's choice: its promise, not its speed, is why a caller forces it)."""
+HOST_TARGETS = ("eager-host-plan-run-us", "eager-host-run-us", "eager-over-graph-us", "auto-vs-best-route")
 
 OVERLAP_BANDS = {0.8: (0.75, 0.85), 0.98: (0.97, 1.0)}
 """Measured overlap a scenario must show for its requested overlap to count ("0.8" and "0.98")."""
@@ -72,14 +94,101 @@ def overlap_ok(meta: dict | None) -> tuple[bool, str]:
     return True, ""
 
 
+def _in_steps(scenario: str) -> bool:
+    return any(fnmatch.fnmatchcase(scenario, p) for p in HOST_COST_STEPS)
+
+
+def _num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def host_cost_values(records: list) -> dict:
+    """The values of the host-cost targets (``HOST_TARGETS``) from a run's records: ``{name: (value,
+    scenario, route, note)}``, value None where nothing was measured.
+
+    * ``eager-host-plan-run-us``, ``eager-host-run-us``, ``eager-over-graph-us``: the largest
+      ``host_us``, ``host_run_us`` and ``(eager_ms - median_ms) * 1000`` over the passed records of the
+      ``HOST_COST_ROUTES`` on the scenarios matching ``HOST_COST_STEPS``;
+    * ``auto-vs-best-route``: over every scenario with an ``auto`` record, the larger of auto's graph
+      median over the fastest passed ``AUTO_RIVALS`` graph median and the same ratio of the eager
+      times (where both sides have one); the largest such ratio.
+
+    A record of those routes that failed its check or errored is not counted, and the note names it.
+    """
+    per = {name: [] for name in HOST_TARGETS}  # (value, scenario, route)
+    skipped = {name: [] for name in HOST_TARGETS}
+    for r in records:
+        if r.get("route") not in HOST_COST_ROUTES or not _in_steps(r.get("scenario", "")):
+            continue
+        where = (r["scenario"], r["route"])
+        if not r.get("passed"):
+            for name in HOST_TARGETS[:3]:
+                skipped[name].append(where)
+            continue
+        if _num(r.get("host_us")):
+            per["eager-host-plan-run-us"].append((r["host_us"], *where))
+        if _num(r.get("host_run_us")):
+            per["eager-host-run-us"].append((r["host_run_us"], *where))
+        if _num(r.get("eager_ms")) and _num(r.get("median_ms")):
+            per["eager-over-graph-us"].append(((r["eager_ms"] - r["median_ms"]) * 1e3, *where))
+    for auto in (r for r in records if r.get("route") == "auto"):
+        scn = auto["scenario"]
+        rivals = [r for r in records if r.get("scenario") == scn and r.get("route") in AUTO_RIVALS
+                  and r.get("passed")]
+        best_graph = min((r["median_ms"] for r in rivals if _num(r.get("median_ms"))), default=None)
+        best_eager = min((r["eager_ms"] for r in rivals if _num(r.get("eager_ms"))), default=None)
+        if not auto.get("passed") or not _num(auto.get("median_ms")) or not best_graph:
+            skipped["auto-vs-best-route"].append((scn, "auto"))
+            continue
+        ratios = [auto["median_ms"] / best_graph]
+        if _num(auto.get("eager_ms")) and best_eager:
+            ratios.append(auto["eager_ms"] / best_eager)
+        per["auto-vs-best-route"].append((max(ratios), scn, "auto"))
+    out = {}
+    for name in HOST_TARGETS:
+        miss = skipped[name]
+        why = "auto failed or errored, or no forced route passed" if name == "auto-vs-best-route" \
+            else "failed or errored"
+        note = (f"not counted ({why}): {', '.join(f'{s}:{r}' for s, r in miss[:6])}{' ...' if len(miss) > 6 else ''}" if miss else "")
+        if not per[name]:
+            out[name] = (None, None, None, note or "not measured (no scenario of the set run, or no eager and "
+                                                   "host figures: they need a CUDA GPU)")
+            continue
+        value, scn, route = max(per[name], key=lambda x: x[0])
+        counted = len(per[name])
+        what = f"worst: {scn} {route}, of {counted} {'scenarios' if name == 'auto-vs-best-route' else 'records'}"
+        out[name] = (value, scn, route, what + (f"; {note}" if note else ""))
+    return out
+
+
+def host_cost_targets(records: list) -> list:
+    """The host-cost targets (``HOST_TARGETS``) as entries of the ``targets`` list, each met when its
+    worst case is within its goal: a pure function of the records (``host_cost_values``)."""
+    values = host_cost_values(records)
+    out = []
+    for name, scn, op, goal, unit, what in TARGETS:
+        if name not in values:
+            continue
+        value, worst, route, note = values[name]
+        met = None if value is None else bool(value >= goal if op == ">=" else value <= goal)
+        out.append(dict(name=name, value=value, goal=goal, op=op, unit=unit, met=met, scenario=worst or scn,
+                        route=route, what=what, note=note))
+    return out
+
+
 def evaluate_targets(records: list, scenarios: dict, ceilings: dict | None) -> list:
-    """The ``targets`` list: ``{name, value, goal, op, unit, met, scenario, what, note}``.
+    """The ``targets`` list: ``{name, value, goal, op, unit, met, scenario, what, note}`` (the host-cost
+    targets add ``route``, that of their worst case).
 
     ``met`` is None when the value could not be measured (scenario not run, a route failed its check
     or errored); ``note`` says why.
     """
     out = []
+    host = {t["name"]: t for t in host_cost_targets(records)}
     for name, scn, op, goal, unit, what in TARGETS:
+        if name in host:
+            out.append(host[name])
+            continue
         value, note, extra_ok = None, "", True
         meta = scenarios.get(scn)
         try:
@@ -244,11 +353,30 @@ def sanitize(obj):
     return obj
 
 
-RESULT_COLUMNS = ("scenario", "route", "ms", "TFLOP/s", "GB/s", "x splitk", "max abs", "rel L2", "check")
+RESULT_COLUMNS = ("scenario", "route", "ms", "eager ms", "host us", "host run us", "TFLOP/s", "GB/s", "x splitk",
+                  "max abs", "rel L2", "check")
+
+
+def route_label(r: dict, rows: int | None = None) -> str:
+    """A record's route as the tables show it: ``auto`` with the route it took (``rows``: the scenario's
+    rows), e.g. ``auto (xqa direct)``, ``auto (grouped 184 + xqa 1)``; other routes by name."""
+    if r.get("route") != "auto" or not r.get("plan_route"):
+        return r["route"]
+    took, g, direct = r["plan_route"], r.get("grouped_rows") or 0, " direct" if r.get("direct") else ""
+    if took == "grouped" and rows != g:
+        took = f"grouped {g} + xqa{'' if rows is None else f' {rows - g}'}{direct}"
+    elif took == "xqa":
+        took += direct
+    return f"auto ({took})"
+
+
+def _rows_of(report: dict) -> dict:
+    return {s["name"]: s.get("rows") for s in report.get("scenarios") or []}
 
 
 def result_rows(report: dict) -> list:
     rows = []
+    n_rows = _rows_of(report)
     for r in report["records"]:
         ratio = r.get("vs_splitk") if r.get("vs_splitk") is not None else r.get("vs_torch")
         if r["kind"] == "floor":
@@ -257,7 +385,9 @@ def result_rows(report: dict) -> list:
             check = "FAIL" if r.get("max_abs_err") is not None or r.get("rows_differ") else "ERROR"
         else:
             check = {True: "ok", False: "FAIL", None: "-"}[r.get("passed")]
-        rows.append((r["scenario"], r["route"], _fmt(r.get("median_ms"), ".4g"), _fmt(r.get("tflops"), ".1f"),
+        rows.append((r["scenario"], route_label(r, n_rows.get(r["scenario"])), _fmt(r.get("median_ms"), ".4g"),
+                     _fmt(r.get("eager_ms"), ".4g"), _fmt(r.get("host_us"), ".1f"), _fmt(r.get("host_run_us"), ".1f"),
+                     _fmt(r.get("tflops"), ".1f"),
                      _fmt(r.get("gbps"), ".0f"), _fmt(ratio, ".2f"), _fmt(r.get("max_abs_err"), ".2e"),
                      _fmt(r.get("rel_l2_err"), ".2e"), check))
     return rows
@@ -312,7 +442,7 @@ TARGET_COLUMNS = ("target", "value", "goal", "met", "note")
 
 
 CPU_RESULT_COLUMNS = ("scenario", "route", "median ms", "min ms", "max ms", "calls", "max abs (bound)",
-                      "rel L2 (bound)", "check", "note")
+                      "rel L2 (bound)", "eager ms", "host us", "host run us", "check", "note")
 
 
 def _check(r: dict) -> str:
@@ -333,6 +463,7 @@ def cpu_result_rows(report: dict) -> list:
     Floors are left out (models built on the CPU's copy and matmul rates), and so are the rates and the
     ratios between routes: under the interpreter they measure the interpreter."""
     rows = []
+    n_rows = _rows_of(report)
     for r in report["records"]:
         if r["kind"] == "floor":
             continue
@@ -340,10 +471,11 @@ def cpu_result_rows(report: dict) -> list:
         if "exact" in r and r.get("passed"):  # selection: against the exact top-k
             check += " (exact)" if r.get("exact") else " (up to ties)"
         note = (str(r["error"]).splitlines() or [""])[0][:100] if r.get("error") else ""
-        rows.append((r["scenario"], r["route"], _fmt(r.get("median_ms"), ".4g"), _fmt(r.get("min_ms"), ".4g"),
-                     _fmt(r.get("max_ms"), ".4g"), _fmt(r.get("reps")),
+        rows.append((r["scenario"], route_label(r, n_rows.get(r["scenario"])), _fmt(r.get("median_ms"), ".4g"),
+                     _fmt(r.get("min_ms"), ".4g"), _fmt(r.get("max_ms"), ".4g"), _fmt(r.get("reps")),
                      _err_and_bound(r.get("max_abs_err"), r.get("bound_abs")),
-                     _err_and_bound(r.get("rel_l2_err"), r.get("bound_rel")), check, note))
+                     _err_and_bound(r.get("rel_l2_err"), r.get("bound_rel")), _fmt(r.get("eager_ms"), ".4g"),
+                     _fmt(r.get("host_us"), ".0f"), _fmt(r.get("host_run_us"), ".0f"), check, note))
     return rows
 
 
@@ -365,8 +497,8 @@ def cpu_summary(report: dict) -> list:
         f"scenarios run: {len(report['scenarios'])}; routes and baselines checked: {len(passed)} of "
         f"{len(checked)} passed (attention against the fp32 reference within the bounds shown, selection "
         "against the exact top-k), each timed only after it passed",
-        f"times: wall-clock medians of {calls} calls under the Triton interpreter; they measure the "
-        "interpreter, not the kernels' speed on a GPU",
+        f"times: wall-clock medians of {calls} calls under the Triton interpreter (the eager and host columns "
+        "too, of a few calls); they measure the interpreter, not the kernels' speed on a GPU",
     ]
     if c.get("copy_gbps") and c.get("matmul_tflops"):
         shape = "x".join(str(n) for n in c.get("matmul_shape") or [])
@@ -408,7 +540,9 @@ def _cpu_markdown(report: dict) -> list:
         "## Results",
         "",
         "Times in ms, wall-clock; `max abs` and `rel L2`: errors against the fp32 reference, with the bounds "
-        "a route must stay within in parentheses.",
+        "a route must stay within in parentheses; `eager ms`, `host us`, `host run us`: one eager plan + run "
+        "call, the host time of one `sparse_paged_attention` call and of one `run_attention` call on a held "
+        "plan (`auto` and the qsa routes).",
         "",
         md_table(CPU_RESULT_COLUMNS, cpu_result_rows(report)),
         "",
@@ -454,7 +588,10 @@ def suite_lines(report: dict) -> list:
         "twice the naive PyTorch result's error plus one rounding; selection against the exact top-k) before it "
         "is timed; a route that fails gets no time. Times are medians of CUDA-graph replays with the L2 flushed "
         "before each (`do_bench` for code that cannot be captured); grouped, xqa and splitk times include their "
-        f"planners. Checked: {len(passed)} of {len(records)} routes and baselines passed.",
+        "planners. `auto` is the route the library picks (the one it took in parentheses). Beside the graph "
+        "median, for `auto` and the qsa routes: `eager ms`, one eager plan + run call (L2 flushed, device idle "
+        "before it); `host us`, the host time to enqueue one `sparse_paged_attention` call; `host run us`, one "
+        f"`run_attention` on a held plan. Checked: {len(passed)} of {len(records)} routes and baselines passed.",
         "- **Rerun**: `qsa bench` (or `PYTHONPATH=src python -m benchmarks.run`) from the checkout root on the GPU; "
         "`--quick` for the key targets, `-s GLOB` / `-r GLOB` for some scenarios or routes. The tools beyond the "
         "suite (sweeps, floors, A/B, per-kernel breakdown): `benchmarks/README.md`; where each route stands and "
@@ -490,8 +627,10 @@ def write_markdown(report: dict, path: Path, *, plot: Path | None):
         "",
         "## Results",
         "",
-        "`x splitk`: splitk time / route time (selection: torch baseline time / route time). Floors: bytes "
-        "the route must read at the copy bandwidth, useful FLOPs at the matmul rate.",
+        "`ms`: median CUDA-graph replay; `eager ms`: median eager plan + run call; `host us` / `host run us`: "
+        "median host time of one `sparse_paged_attention` / `run_attention` call. `x splitk`: splitk time / "
+        "route time (selection: torch baseline time / route time). Floors: bytes the route must read at the "
+        "copy bandwidth, useful FLOPs at the matmul rate.",
         "",
         md_table(RESULT_COLUMNS, result_rows(report)),
         "",
@@ -502,7 +641,7 @@ def write_markdown(report: dict, path: Path, *, plot: Path | None):
     path.write_text("\n".join(lines))
 
 
-PLOT_ROUTES = ("grouped", "xqa", "splitk", "invariant", "naive", "floor-bytes-grouped", "floor-bytes-row", "floor-flops",
+PLOT_ROUTES = ("grouped", "xqa", "splitk", "invariant", "auto", "naive", "floor-bytes-grouped", "floor-bytes-row", "floor-flops",
                "select", "torch-select")
 
 

@@ -3,7 +3,11 @@
 For each scenario, in one process: build the workload, compute the fp32 reference and the naive
 PyTorch yardstick, then for each route: run it once eagerly (compiles its kernels), check it, and
 only if the check passes time it (CUDA-graph replays, L2 flushed before each; ``do_bench`` for code
-that cannot be captured). The ceilings (copy bandwidth, fp16 matmul rate) are measured first.
+that cannot be captured). Every attention scenario also runs ``auto`` (the route the library picks with
+the serving layer's hints), checked and timed like the forced routes. For ``auto`` and each forced qsa
+route the run also measures what a caller without a CUDA graph pays: one eager call (``eager_ms``), the
+host time to enqueue one ``sparse_paged_attention`` call (``host_us``) and one ``run_attention`` on a held
+plan (``host_run_us``). The ceilings (copy bandwidth, fp16 matmul rate) are measured first.
 
 Writes ``<out>/latest.json`` after every scenario (so a run cut short keeps what it measured), then
 ``<docs>/benchmarks.md`` and ``<docs>/benchmarks.png``. Each run replaces them: earlier runs are in git's
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import functools
 import math
 import os
 import sys
@@ -32,6 +37,10 @@ from .report import (RESULT_COLUMNS, SCENARIO_COLUMNS, TARGET_COLUMNS, _passed_m
                      write_json, write_markdown, write_plot)
 
 ROOT = Path(__file__).resolve().parent.parent
+AUTO = "auto"
+"""The route the library chooses (``route="auto"``), run on every attention scenario."""
+HOST_COST_ROUTES = registry.ATTENTION_ROUTES + (AUTO,)
+"""Routes whose records carry the eager and host-cost columns (``eager_ms``, ``host_us``, ``host_run_us``)."""
 FATAL_CUDA = ("illegal memory access", "device-side assert", "unspecified launch failure",
               "misaligned address", "illegal instruction", "CUDA error: an illegal")
 
@@ -127,6 +136,15 @@ class Progress:
 # the runner
 
 
+def with_auto(routes) -> tuple:
+    """``routes`` with ``auto`` after the qsa routes: before the first baseline or component (whose
+    measurements do not depend on it), else at the end."""
+    routes = tuple(routes)
+    later = [i for i, r in enumerate(routes) if r in registry.BASELINES or r in registry.COMPONENTS]
+    at = later[0] if later else len(routes)
+    return routes[:at] + (AUTO,) + routes[at:]
+
+
 class FatalDeviceError(RuntimeError):
     """A CUDA error that poisons the context: the rest of the run is skipped."""
 
@@ -145,7 +163,8 @@ def _err_text(exc: BaseException) -> str:
 class Suite:
     """Runs scenarios on one device and collects ``records`` and per-scenario ``scenarios`` metadata."""
 
-    def __init__(self, device: str, *, quick: bool = False, route_globs=None, progress: Progress | None = None):
+    def __init__(self, device: str, *, quick: bool = False, route_globs=None, progress: Progress | None = None,
+                 eager_reps: int | None = None, host_calls: int | None = None):
         import torch
 
         from .timing import QUICK_TIMING, Timer, TimingConfig
@@ -156,6 +175,10 @@ class Suite:
         self.route_globs = route_globs
         cfg = QUICK_TIMING if quick else TimingConfig()
         self.timer = Timer(self.device, cfg)
+        # Eager calls timed and host calls counted per route; under the interpreter a call of a tiny
+        # scenario takes a tenth of a second or more, and its times mean nothing: as few as will do.
+        self.eager_reps = eager_reps or 50
+        self.host_calls = host_calls or (200 if self.device.type == "cuda" else 1)
         self.progress = progress
         self.records: list = []
         self.scenarios: dict = {}
@@ -163,7 +186,7 @@ class Suite:
         self.fatal: str | None = None
         self.route_builders = {
             "grouped": self._kernel_route, "xqa": self._kernel_route, "splitk": self._kernel_route,
-            "invariant": self._kernel_route, "naive": self._naive_route,
+            "invariant": self._kernel_route, AUTO: self._kernel_route, "naive": self._naive_route,
         }
 
     # -- helpers ---------------------------------------------------------------------------------
@@ -187,6 +210,8 @@ class Suite:
         import fnmatch
 
         routes = scn.routes_for(self.quick)
+        if scn.kind == "attention" and AUTO not in routes:
+            routes = with_auto(routes)
         if self.route_globs:
             routes = tuple(r for r in routes if any(fnmatch.fnmatchcase(r, g) for g in self.route_globs))
         return routes
@@ -240,7 +265,7 @@ class Suite:
 
     def _add(self, scn: Scenario, route: str, kind: str, **fields) -> dict:
         rec = dict(scenario=scn.name, route=route, kind=kind, passed=None, median_ms=None, min_ms=None,
-                   max_ms=None, tflops=None,
+                   max_ms=None, eager_ms=None, host_us=None, host_run_us=None, tflops=None,
                    gbps=None, bytes=None, flops=None, vs_splitk=None, vs_torch=None, max_abs_err=None,
                    rel_l2_err=None, bound_abs=None, bound_rel=None, timing=None, reps=None,
                    replay_equal=None, error=None)
@@ -289,9 +314,18 @@ class Suite:
                     raise ValueError(f"unknown route {route!r}")
                 kind = "baseline" if route in registry.BASELINES else "route"
                 fn, out, graph = builder(route, scn, w, state)
+                plan = state.pop("plan", None)
+                extra = {} if plan is None else dict(plan_route=plan.routes.route,
+                                                     grouped_rows=plan.routes.grouped_rows,
+                                                     direct=plan.routes.direct)
+                costs = (functools.partial(self._eager_costs, scn, w, route) if route in HOST_COST_ROUTES
+                         else None)
                 bounds = gate_bounds(ref, dtype, None if route == "naive" else yard)
+                # auto reads what the route it took reads (grouped: groups of 8 rows from row 0, as
+                # the grouped bytes count them; rows left to xqa are a last group's few rows)
+                nbytes = bytes_of.get(extra.get("plan_route") if route == AUTO else route, row_bytes)
                 self._check_and_time(scn, route, kind, fn, out, ref, bounds, graph=graph,
-                                     flops=flops, nbytes=bytes_of.get(route, row_bytes))
+                                     flops=flops, nbytes=nbytes, extra=extra, costs=costs)
             except Exception as e:
                 self._add(scn, route, "baseline" if route in registry.BASELINES else "route",
                           error=_err_text(e), passed=False)
@@ -303,14 +337,17 @@ class Suite:
         self._add_floors(scn, flops, row_bytes, grouped_bytes if "grouped" in self.routes_of(scn) else None)
         self._fill_ratios(scn.name, "splitk", "vs_splitk")
 
-    def _check_and_time(self, scn, route, kind, fn, out, ref, bounds, *, graph, flops, nbytes):
+    def _check_and_time(self, scn, route, kind, fn, out, ref, bounds, *, graph, flops, nbytes, extra=None,
+                        costs=None):
+        """Check ``fn``'s output against ``ref``, and only if it passes time it; then, with ``costs``
+        (``costs(fn, out, checked_output, timing) -> fields``), add its eager and host-cost fields."""
         torch = self.torch
         out.fill_(float("nan"))
         fn()
         self._sync()
         err = output_errors(out, ref)
         passed = gate(err, bounds)
-        fields = dict(passed=passed, flops=flops, bytes=nbytes, max_abs_err=err["max_abs_err"],
+        fields = dict(extra or {}, passed=passed, flops=flops, bytes=nbytes, max_abs_err=err["max_abs_err"],
                       rel_l2_err=err["rel_l2_err"], bound_abs=bounds["bound_abs"], bound_rel=bounds["bound_rel"])
         if not passed:
             fields["error"] = (f"correctness gate failed: max abs {err['max_abs_err']:.3g} (bound "
@@ -320,7 +357,50 @@ class Suite:
         eager = out.clone()
         t = self.timer.time(fn, graph=graph)
         self._sync()
-        return self._add(scn, route, kind, **self._timed(fields, t, bool(torch.equal(out, eager)), flops, nbytes))
+        fields = self._timed(fields, t, bool(torch.equal(out, eager)), flops, nbytes)
+        if costs is not None and fields["passed"]:
+            fields.update(costs(fn, out, eager, t))
+        return self._add(scn, route, kind, **fields)
+
+    def _eager_costs(self, scn, w, route, fn, out, checked, timed) -> dict:
+        """What a caller without a CUDA graph pays for ``route`` (see ``benchmarks.host_cost``):
+
+        * ``eager_ms``: one eager call of ``fn`` (the plan + run step the graph column replays), the L2
+          flushed and the device idle before each (``Timer.time_eager``, median of ``eager_reps``). On
+          the CPU both that and the graph column's ``Timer.time`` are the same wall-clock median of
+          eager calls of ``fn``: ``timed``, the graph column's, is taken as it is;
+        * ``host_us``: host time to enqueue one ``qsa.sparse_paged_attention`` call (plan + run) with the
+          scenario's hints, median of ``host_calls`` (``Timer.host_us``);
+        * ``host_run_us``: the same for ``qsa.run_attention`` on a plan held from one ``plan_attention``.
+
+        All three write ``out``, which must then still equal the checked output bitwise (what was timed
+        is what was checked); otherwise the record fails and keeps no eager or host figures. An error
+        fails the record too, its graph time kept."""
+        from .host_cost import calls_of
+
+        torch = self.torch
+        try:
+            t = self.timer.time_eager(fn, reps=self.eager_reps) if self.timer.is_cuda else timed
+            self._sync()
+            same = [("eager", bool(torch.equal(out, checked)))]
+            plan_run, run_only = calls_of(scn, w, route, out=out)
+            host = self.timer.host_us(plan_run, calls=self.host_calls)
+            self._sync()
+            same.append(("sparse_paged_attention", bool(torch.equal(out, checked))))
+            host_run = self.timer.host_us(run_only, calls=self.host_calls)
+            self._sync()
+            same.append(("run_attention", bool(torch.equal(out, checked))))
+        except Exception as e:
+            if _is_fatal(e):
+                raise
+            return dict(passed=False, error=f"eager / host-cost timing: {_err_text(e)}")
+        differ = [name for name, ok in same if not ok]
+        if differ:
+            return dict(passed=False, eager_equal=False,
+                        error=f"the output of the {' and '.join(differ)} calls timed for the eager columns "
+                              "differs from the checked output; not counted")
+        return dict(eager_ms=t.median_ms, eager_min_ms=t.min_ms, eager_max_ms=t.max_ms, eager_reps=t.reps,
+                    host_us=host, host_run_us=host_run, host_calls=self.host_calls, eager_equal=True)
 
     def _timed(self, fields: dict, t, replay_equal: bool, flops, nbytes) -> dict:
         """A checked record's fields with its times, or, when the timed replays' output differs from the
@@ -339,16 +419,20 @@ class Suite:
                     gbps=nbytes / s / 1e9 if nbytes and s > 0 else None)
 
     def _kernel_route(self, route, scn, w, state):
-        """plan + run of a qsa route into fixed buffers (the planner is part of what is timed)."""
+        """plan + run of a qsa route (or of ``auto``) into fixed buffers (the planner is part of what is
+        timed)."""
         import qsa
+
+        from .host_cost import hints_of
 
         torch = self.torch
         cache = w.cache
         # The scenarios' rows are sorted as select_tokens emits them, and the caller says so, as the
-        # layer does: small xqa batches then take the direct kernel.
+        # layer does: small xqa batches then take the direct kernel. The most rows of one request is
+        # passed too (it only steers auto: one row per request takes xqa).
         plan_kw = dict(block_size=cache.block_size, num_blocks=cache.num_blocks, num_q_heads=scn.num_q_heads,
-                       num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route=route, rows_sorted=True,
-                       kv_cache_dtype=cache.kv_cache_dtype)
+                       num_kv_heads=scn.num_kv_heads, head_dim=scn.head_dim, route=route,
+                       kv_cache_dtype=cache.kv_cache_dtype, **hints_of(scn))
         plan_in = (w.indices, w.block_table, w.token_to_req, w.positions, w.seq_lens)
         plan = qsa.plan_attention(*plan_in, **plan_kw)
         ws = self._workspace(plan)
@@ -361,6 +445,7 @@ class Suite:
 
         if route == "grouped":
             state["grouped_plan"], state["grouped_ws"] = plan, ws
+        state["plan"] = plan  # which rows took which kernel, for the record
         return fn, out, True
 
     def _workspace(self, plan):
@@ -590,8 +675,10 @@ def main(argv=None) -> int:
                                    env=dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=path))
         os.environ["TRITON_INTERPRET"] = "1"
     if str(ROOT / "src") not in sys.path:
+        import importlib
+
         try:
-            import qsa  # noqa: F401
+            importlib.import_module("qsa")
         except ImportError:
             sys.path.insert(0, str(ROOT / "src"))
     from qsa.utils import cli_device

@@ -40,7 +40,7 @@ QUICK_TIMING = TimingConfig(budget_s=0.1, min_reps=5, max_reps=40, bench_warmup_
 class Timing:
     median_ms: float
     reps: int
-    method: str  # "graph", "do_bench" or "wall"
+    method: str  # "graph", "eager", "do_bench" or "wall"
     min_ms: float | None = None
     max_ms: float | None = None
 
@@ -132,6 +132,41 @@ class Timer:
         torch.cuda.synchronize(self.device)
         times = [s.elapsed_time(e) for s, e in events]
         return Timing(statistics.median(times), reps, "graph", min(times), max(times))
+
+    def time_eager(self, fn, reps: int = 50) -> Timing:
+        """Median latency of one eager call of ``fn`` in ms: the L2 flushed and the device idle before
+        each call, so the time runs from the call's first enqueued work to its last and includes the
+        host's enqueueing wherever the device waits on it (a CUDA graph replay hides exactly that)."""
+        if not self.is_cuda:
+            return self._time_wall(fn)
+        fn()
+        times = []
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(reps):
+            self.flush_l2()
+            torch.cuda.synchronize(self.device)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return Timing(statistics.median(times), reps, "eager", min(times), max(times))
+
+    def host_us(self, fn, calls: int = 200, drain_every: int = 20) -> float:
+        """Median host time of one call of ``fn`` in microseconds: the time to enqueue it, not to run
+        it. The device is drained every ``drain_every`` calls (outside the timed calls), so a call
+        never waits on a full launch queue."""
+        fn()
+        times = []
+        for i in range(calls):
+            if i % drain_every == 0 and self.is_cuda:
+                torch.cuda.synchronize(self.device)
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        if self.is_cuda:
+            torch.cuda.synchronize(self.device)
+        return statistics.median(times) * 1e6
 
     def _time_do_bench(self, fn) -> Timing:
         from triton.testing import do_bench

@@ -360,6 +360,77 @@ def test_target_evaluation_with_synthetic_numbers():
     assert t2["decode-64-xqa-bandwidth"]["met"] is None  # no ceilings measured
 
 
+def _host(scenario, route, ms, eager_ms=None, host_us=None, host_run_us=None, passed=True):
+    return _rec(scenario, route, ms, passed=passed, eager_ms=eager_ms, host_us=host_us, host_run_us=host_run_us)
+
+
+def test_host_cost_targets_take_the_worst_case():
+    """The host-cost targets are the worst case over the records of the host-cost steps (auto and forced
+    routes alike; scenarios outside the set and records that failed are not counted, the latter named in
+    the note); auto-vs-best-route over every scenario with an auto record, the worse of the graph and the
+    eager ratio, against grouped/xqa/splitk only."""
+    records = [
+        _host("decode-1", "xqa", 0.040, eager_ms=0.050, host_us=20.0, host_run_us=8.0),
+        _host("decode-1", "splitk", 0.060, eager_ms=0.070, host_us=18.0, host_run_us=7.0),
+        _host("decode-1", "invariant", 0.010, eager_ms=0.012, host_us=9.0, host_run_us=4.0),  # no rival of auto
+        _host("decode-1", "auto", 0.041, eager_ms=0.052, host_us=22.0, host_run_us=9.0),
+        _host("decode-64-fp8", "xqa", 0.050, eager_ms=0.066, host_us=29.5, host_run_us=14.0),
+        _host("decode-64-fp8", "auto", 0.050, eager_ms=0.064, host_us=29.0, host_run_us=14.5),
+        _host("mtp-8", "grouped", 0.030, eager_ms=0.047, host_us=26.0, host_run_us=12.0),
+        _host("mtp-8", "auto", 0.030, eager_ms=0.048, host_us=27.0, host_run_us=12.5),
+        # outside the host-cost steps: its host figures do not count, its auto ratio does
+        _host("prefill-64k-o98", "grouped", 1.00, eager_ms=1.2, host_us=500.0, host_run_us=90.0),
+        _host("prefill-64k-o98", "auto", 1.02, eager_ms=1.22, host_us=510.0, host_run_us=95.0),
+        # failed: not counted, named
+        _host("decode-256", "splitk", None, eager_ms=9.0, host_us=999.0, host_run_us=999.0, passed=False),
+        _rec("decode-1", "naive", 0.5),  # baselines carry no host figures
+    ]
+    v = report.host_cost_values(records)
+    assert v["eager-host-plan-run-us"][:3] == (29.5, "decode-64-fp8", "xqa")
+    assert v["eager-host-run-us"][:3] == (14.5, "decode-64-fp8", "auto")
+    assert v["eager-over-graph-us"][0] == pytest.approx(18.0) and v["eager-over-graph-us"][1:3] == ("mtp-8", "auto")
+    # decode-1: graph 0.041 / 0.040, eager 0.052 / 0.050 (invariant's 0.010 is no rival): the eager 1.04
+    assert v["auto-vs-best-route"][0] == pytest.approx(1.04) and v["auto-vs-best-route"][1] == "decode-1"
+    for name in report.HOST_TARGETS[:3]:
+        assert "decode-256:splitk" in v[name][3], v[name]
+    t = {x["name"]: x for x in report.host_cost_targets(records)}
+    assert [x["name"] for x in report.host_cost_targets(records)] == list(report.HOST_TARGETS)
+    assert all(t[name]["met"] for name in report.HOST_TARGETS), t
+    assert t["eager-host-run-us"]["scenario"] == "decode-64-fp8" and t["eager-host-run-us"]["route"] == "auto"
+    # the same entries in evaluate_targets
+    ev = {x["name"]: x for x in report.evaluate_targets(records, {}, None)}
+    assert all(ev[name] == t[name] for name in report.HOST_TARGETS)
+
+    # known wrong: auto 10% slower than the best forced route (graph), and a host time past its goal
+    records[9]["median_ms"] = 1.10
+    records[4]["host_us"] = 31.0
+    t = {x["name"]: x for x in report.host_cost_targets(records)}
+    assert t["auto-vs-best-route"]["value"] == pytest.approx(1.10) and t["auto-vs-best-route"]["met"] is False
+    assert t["auto-vs-best-route"]["scenario"] == "prefill-64k-o98"
+    assert t["eager-host-plan-run-us"]["value"] == 31.0 and t["eager-host-plan-run-us"]["met"] is False
+    # an eager time 10% worse than the best forced route's, with graph times equal, fails as well
+    records[9].update(median_ms=1.00, eager_ms=1.32)
+    t = {x["name"]: x for x in report.host_cost_targets(records)}
+    assert t["auto-vs-best-route"]["value"] == pytest.approx(1.10) and t["auto-vs-best-route"]["met"] is False
+    # an auto that failed its check gives no ratio and is named
+    records[9]["passed"] = False
+    t = {x["name"]: x for x in report.host_cost_targets(records)}
+    assert t["auto-vs-best-route"]["value"] == pytest.approx(1.04) and "prefill-64k-o98:auto" in t["auto-vs-best-route"]["note"]
+    # nothing measured (a CPU-like run, no host figures): not measured, with why
+    t = report.host_cost_targets([_rec("decode-1", "xqa", 0.04)])
+    assert all(x["value"] is None and x["met"] is None and x["note"] for x in t)
+
+
+def test_auto_route_label():
+    """The tables show which route auto took."""
+    auto = dict(route="auto", plan_route="grouped", grouped_rows=184, direct=True)
+    assert report.route_label(auto, 185) == "auto (grouped 184 + xqa 1 direct)"
+    assert report.route_label(dict(auto, grouped_rows=8192), 8192) == "auto (grouped)"
+    assert report.route_label(dict(auto, plan_route="xqa", grouped_rows=0), 64) == "auto (xqa direct)"
+    assert report.route_label(dict(auto, plan_route="splitk", grouped_rows=0, direct=False), 64) == "auto (splitk)"
+    assert report.route_label(dict(route="xqa", plan_route="xqa"), 64) == "xqa"
+
+
 def test_targets_not_measured_are_null():
     t = report.evaluate_targets([], {}, None)
     assert all(x["value"] is None and x["met"] is None and x["note"] for x in t)
@@ -386,7 +457,12 @@ def test_registry_names_and_selection():
     assert not any(s.test_only for s in registry.select(None))
     assert [s.name for s in registry.select(["tiny-*"])] == ["tiny-prefill", "tiny-decode", "tiny-selection"]
     for name, scn, *_ in report.TARGETS:
-        assert scn in names, (name, scn)
+        assert scn in names or name in report.HOST_TARGETS, (name, scn)
+    # every pattern of the host-cost goal's steps names at least one scenario
+    import fnmatch
+
+    for pattern in report.HOST_COST_STEPS:
+        assert any(fnmatch.fnmatchcase(n, pattern) for n in names), pattern
 
 
 def test_end_to_end_tiny_run(tmp_path, capsys):
@@ -423,14 +499,29 @@ def test_end_to_end_tiny_run(tmp_path, capsys):
     assert by[("tiny-prefill", "floor-bytes-grouped")]["bytes"] < by[("tiny-prefill", "floor-bytes-row")]["bytes"]
     for route in ("xqa", "splitk", "invariant", "naive"):
         assert by[("tiny-decode", route)]["passed"]
+    # auto on every attention scenario, checked and timed like the forced routes, with the route it took
+    for scn, routes in (("tiny-prefill", ("grouped", "xqa", "splitk", "auto")),
+                        ("tiny-decode", ("xqa", "splitk", "invariant", "auto"))):
+        for route in routes:
+            r = by[(scn, route)]
+            assert r["passed"] and r["kind"] == "route" and r["eager_equal"], r
+            for key in ("median_ms", "eager_ms", "host_us", "host_run_us"):
+                assert isinstance(r[key], float) and r[key] > 0, (scn, route, key, r[key])
+        auto = by[(scn, "auto")]
+        assert auto["plan_route"] == "xqa" and auto["grouped_rows"] == 0 and auto["direct"], auto  # below 64 rows
+        assert auto["max_abs_err"] < auto["bound_abs"] and auto["vs_splitk"] > 0
+    for key in ("eager_ms", "host_us", "host_run_us"):
+        assert by[("tiny-prefill", "naive")][key] is None and by[("tiny-prefill", "planner")][key] is None
+    assert ("tiny-selection", "auto") not in by
     assert by[("tiny-selection", "select")]["exact"] and by[("tiny-selection", "select")]["median_ms"] > 0
     assert by[("tiny-selection", "torch-select")]["passed"]
     assert by[("tiny-selection", "select")]["vs_torch"] > 0
     names = {t["name"] for t in latest["targets"]}
-    assert names == {name for name, *_ in report.TARGETS}
+    assert names == {name for name, *_ in report.TARGETS} and set(report.HOST_TARGETS) <= names
     assert all(set(t) >= {"name", "value", "goal", "met"} for t in latest["targets"])
     md = (docs / "benchmarks.md").read_text()
     assert "| tiny-prefill | grouped |" in md and "## Targets" in md and latest["date"] in md
+    assert "| eager ms | host us | host run us |" in md and "| tiny-decode | auto (xqa direct) |" in md
     assert "2026-01-01" not in md and "History" not in md
     text = capsys.readouterr().out
     assert "tiny-selection" in text and "target" in text
