@@ -180,6 +180,17 @@ PTX_SCAN = True
 PLANNER_SCRATCH_BYTES = 256 << 20
 """The grouped planner's scratch stays under this size (fewer programs for very long contexts)."""
 
+# --- Eager calls ---------------------------------------------------------------------------------
+
+REPLAY_STEPS = False
+"""Eager calls on a GPU replay the launches recorded by the first call of their shape
+(:mod:`qsa.attention.replay`) instead of checking, deciding and binding again. Off by default: the
+compiled-handle path has been checked under the interpreter and against a stand-in launcher, not yet on a
+GPU (``tests/test_replay.py -m gpu`` is that check)."""
+REPLAY_CACHE_SIZE = 32
+"""Shapes whose recorded launches (and the buffers they own) are kept, per cache, least recently used
+dropped first."""
+
 # --- Selection -----------------------------------------------------------------------------------
 
 SELECT_MAX_REGISTER_TILE = 16384

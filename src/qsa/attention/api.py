@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from . import routing
+from . import replay, routing
 from .grouped import launch as grouped
 from .invariant import launch as invariant
 from .splitk import launch as splitk
@@ -150,6 +150,7 @@ class AttentionPlan:
     def __post_init__(self):
         if not isinstance(self.inputs, PlanInputs):
             self.inputs = PlanInputs(*self.inputs)
+        self.replays = replay.ReplayCache()  # run_attention's recorded launches, by activation layout
 
     @property
     def num_rows(self) -> int:
@@ -247,6 +248,7 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
         return plan
     for f in fields(AttentionPlan):  # a caller holding ``out`` runs what was just planned
         setattr(out, f.name, getattr(plan, f.name))
+    out.replays = plan.replays  # the launches recorded for the old plan describe its buffers only
     return out
 
 
@@ -331,7 +333,64 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
     Forward-only, like :func:`sparse_paged_attention`. The plan must describe its inputs as they are now:
     an input of the plan (indices, block_table, token_to_req, positions, seq_lens) modified in place by a
     torch op since :func:`plan_attention` raises a ValueError naming it (plan again, ``out=plan``).
+
+    With ``settings.REPLAY_STEPS`` on a GPU, the first run of a plan with one layout of activations
+    (shapes, strides, dtypes, scales) records its launches, and later runs with that layout replay them
+    (:mod:`qsa.attention.replay`): the checks and the binding are not repeated, the inputs' version
+    counters still are.
     """
+    if type(plan) is AttentionPlan and type(q) is torch.Tensor and plan.routes.route != "reference":
+        device = q.device
+        plain = replay.PLAIN
+        if replay.usable(device) and type(k_scale) in plain and type(v_scale) in plain \
+                and type(softmax_scale) in plain and type(kv_cache_dtype) in plain and type(return_lse) in plain:
+            try:
+                stream = replay.current_stream(device)
+                key = (kv_cache_dtype, k_scale, v_scale, softmax_scale, return_lse, out is None, stream,
+                       replay.tensor_key(q), replay.tensor_key(k_cache), replay.tensor_key(v_cache),
+                       replay.tensor_key(gate), replay.tensor_key(out))
+            except (AttributeError, TypeError):
+                key = None
+            if key is not None:
+                entry = plan.replays.get(key)
+                if entry is not None and entry is not plan.replays:
+                    plan.inputs.check_unchanged()
+                    check_forward_only(q, gate, k_cache, v_cache)
+                    o, lse = _outputs(q, out, return_lse)
+                    if entry(dict(q=q, k_cache=k_cache, v_cache=v_cache, gate=gate, out=o, lse=lse), stream):
+                        return (o, lse) if return_lse else o
+                if entry is plan.replays:
+                    with replay.Recorder() as rec:
+                        result = _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_scale,
+                                              softmax_scale, out, return_lse)
+                    o, lse = result if return_lse else (result, None)
+                    plan.replays.put(key, _replay_of(rec, dict(q=q, k_cache=k_cache, v_cache=v_cache, gate=gate,
+                                                                out=o, lse=lse), plan, device))
+                    return result
+    return _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_scale, softmax_scale, out,
+                        return_lse)
+
+
+def _outputs(q, out, return_lse: bool):
+    """``out`` (a new one, contiguous, where None) and a new lse (or None)."""
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty((q.shape[0], q.shape[1]), dtype=torch.float32, device=q.device) if return_lse else None
+    return out, lse
+
+
+def _replay_of(rec: replay.Recorder, inputs: dict, plan: AttentionPlan, device) -> replay.Replay | None:
+    """The recorded launches as a replay, or None where they cannot be replayed."""
+    try:
+        return replay.Replay(rec, inputs, replay.tensors_of(plan, []) + replay.tensors_of(plan.inputs.as_tuple(), []),
+                             cuda=device.type == "cuda" and not replay.backend.interpreter_enabled(),
+                             device_index=device.index or 0)
+    except replay.Uncacheable:
+        return None
+
+
+def _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_scale, softmax_scale, out, return_lse):
+    """run_attention's full path: every check, then the launches."""
     if not isinstance(plan, AttentionPlan):
         raise TypeError(f"plan must be an AttentionPlan (from qsa.plan_attention), got {type(plan).__name__}")
     num_blocks, block_size, hkv = _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype)
@@ -360,9 +419,7 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
         k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     else:  # the scales dequantise an FP8 cache; a cache in q's dtype is read as it is
         k_scale = v_scale = 1.0
-    if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    lse = torch.empty((rows, hq), dtype=torch.float32, device=q.device) if return_lse else None
+    out, lse = _outputs(q, out, return_lse)
     if rows == 0:
         return (out, lse) if return_lse else out
 
@@ -446,6 +503,11 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
     Returns:
         ``out`` (q's dtype), or ``(out, lse)`` with ``return_lse``.
 
+    With ``settings.REPLAY_STEPS`` on a GPU, the first call of a fingerprint (every tensor's shape,
+    strides, dtype and device, the scalars, the stream, the settings) records its launches and later
+    calls with that fingerprint replay them with their own pointers (:mod:`qsa.attention.replay`); a
+    recorded step keeps its plan's buffers, so calls on one stream reuse them in order.
+
     Forward-only: there is no backward. With grad mode on, a ``q``, ``gate``, ``k_cache`` or ``v_cache``
     that requires grad raises a ValueError (the output would be silently detached); call it under
     ``torch.no_grad()`` or ``torch.inference_mode()``, or pass detached tensors.
@@ -453,6 +515,66 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
     Example:
         >>> out = qsa.sparse_paged_attention(q, kv[:, 0], kv[:, 1], idx, table, req, pos, lens)
     """
+    inputs = None
+    plain = replay.PLAIN
+    if type(q) is torch.Tensor and type(k_scale) in plain and type(v_scale) in plain and type(softmax_scale) in plain \
+            and type(max_query_len) in plain and type(route) in plain and type(rows_sorted) in plain \
+            and type(kv_cache_dtype) in plain and type(return_lse) in plain and replay.usable(q.device):
+        device = q.device
+        try:
+            stream = replay.current_stream(device)
+            key = (route, max_query_len, rows_sorted, kv_cache_dtype, k_scale, v_scale, softmax_scale, return_lse,
+                   out is None, stream, replay.tensor_key(q), replay.tensor_key(k_cache), replay.tensor_key(v_cache),
+                   replay.tensor_key(indices), replay.tensor_key(block_table), replay.tensor_key(token_to_req),
+                   replay.tensor_key(positions), replay.tensor_key(seq_lens), replay.tensor_key(gate),
+                   replay.tensor_key(out))
+        except (AttributeError, TypeError):
+            key = None
+        if key is not None:
+            entry = _STEPS.get(key)
+            if entry is not None and entry is not _STEPS:
+                check_forward_only(q, gate, k_cache, v_cache)
+                o, lse = _outputs(q, out, return_lse)
+                if entry(dict(q=q, k_cache=k_cache, v_cache=v_cache, indices=indices, block_table=block_table,
+                              token_to_req=token_to_req, positions=positions, seq_lens=seq_lens, gate=gate,
+                              out=o, lse=lse), stream):
+                    return (o, lse) if return_lse else o
+            elif entry is _STEPS:
+                inputs = (key, device)
+    if inputs is None:
+        return _plan_and_run(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, gate,
+                             kv_cache_dtype, k_scale, v_scale, softmax_scale, out, return_lse, route, max_query_len,
+                             rows_sorted)
+    key, device = inputs
+    with replay.Recorder() as rec:
+        plan, result = _plan_and_run(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens,
+                                     gate, kv_cache_dtype, k_scale, v_scale, softmax_scale, out, return_lse, route,
+                                     max_query_len, rows_sorted, with_plan=True)
+    o, lse = result if return_lse else (result, None)
+    step = None
+    if plan.routes.route != "reference":
+        try:
+            step = replay.Replay(rec, dict(q=q, k_cache=k_cache, v_cache=v_cache, indices=indices,
+                                           block_table=block_table, token_to_req=token_to_req, positions=positions,
+                                           seq_lens=seq_lens, gate=gate, out=o, lse=lse),
+                                 replay.tensors_of(plan, []),
+                                 cuda=device.type == "cuda" and not replay.backend.interpreter_enabled(),
+                                 device_index=device.index or 0)
+        except replay.Uncacheable:
+            step = None
+    _STEPS.put(key, step)
+    return result
+
+
+_STEPS = replay.ReplayCache()
+"""sparse_paged_attention's recorded steps, by call fingerprint (each owns its plan's buffers)."""
+
+
+def _plan_and_run(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, gate, kv_cache_dtype,
+                  k_scale, v_scale, softmax_scale, out, return_lse, route, max_query_len, rows_sorted,
+                  with_plan: bool = False):
+    """sparse_paged_attention's full path: every check, a new plan, its launches (and the plan, with
+    ``with_plan``)."""
     num_blocks, block_size, hkv = _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype)
     check_forward_only(q, gate, k_cache, v_cache)
     check_tensor("indices", indices, ndim=2, dtypes=torch.int32, what="[rows, W] int32")
@@ -466,6 +588,6 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
                           num_blocks=num_blocks, num_q_heads=q.shape[1], num_kv_heads=hkv,
                           head_dim=q.shape[2], route=route, max_query_len=max_query_len,
                           rows_sorted=rows_sorted, kv_cache_dtype=kv_cache_dtype)
-    return run_attention(plan, q, k_cache, v_cache, gate=gate, kv_cache_dtype=kv_cache_dtype,
-                         k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale, out=out,
-                         return_lse=return_lse)
+    result = _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_scale, softmax_scale, out,
+                          return_lse)
+    return (plan, result) if with_plan else result

@@ -12,6 +12,7 @@ import torch
 
 from .. import settings
 from ..utils import dot_in_fp32, launch_options, next_pow2, same_device
+from .replay import launch as launch_kernel
 
 
 def dot_dtype(q: torch.Tensor):
@@ -76,7 +77,7 @@ def merge_splits(part_acc, part_ml, *, out, lse, gate, row_offset, v_scale, num_
     n, hq, _, d = part_acc.shape
     strides, g, lse_t = kernel_args(out, out, out, out, gate, lse)
     block_d, warps = merge_config(num_splits, d, xqa_lists=xqa_lists)
-    merge_splits_kernel[(n, hq, d // block_d)](
+    launch_kernel(merge_splits_kernel, (n, hq, d // block_d),
         part_acc, part_ml, out, g, lse_t, row_offset, hq, float(v_scale),
         strides["stride_o_row"], strides["stride_o_head"], strides["stride_g_row"],
         strides["stride_g_head"], strides["stride_lse_row"],

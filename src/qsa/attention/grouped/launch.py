@@ -19,6 +19,7 @@ from ...utils import interpreter_enabled, launch_options, next_pow2
 from .. import routing
 from ..launch import dot_dtype, kernel_args, merge_splits, partials, same_kv_strides, scores_scale
 from ..planning.plan import GroupedPlan
+from ..replay import launch as launch_kernel
 
 
 def grouped_config(G: int, head_dim: int, kv_fp8: bool = False) -> settings.GroupedConfig:
@@ -91,7 +92,7 @@ def grouped_attention(q, k, v, plan: GroupedPlan, *, out, lse, gate, softmax_sca
     strides, g, lse_t = kernel_args(q, k, v, out, gate, lse)
     subs = plan.group_rows // cfg.rows_per_prog
     part_acc, part_ml = launch.partials if splits > 1 else (out, out)
-    grouped_attention_kernel[(plan.num_groups * subs, hkv, splits)](
+    launch_kernel(grouped_attention_kernel, (plan.num_groups * subs, hkv, splits),
         q, k, v, plan.mb_ids, plan.masks, plan.counts, g, out, lse_t, part_acc, part_ml,
         plan.num_rows, hq, qk_scale, float(v_scale),
         stride_plan=plan.mb_ids.stride(0), **strides,

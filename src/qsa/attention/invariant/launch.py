@@ -16,6 +16,7 @@ from ... import settings
 from ...utils import launch_options, next_pow2
 from ..launch import (direct_tiles, dot_dtype, kernel_args, partials, row_scratch, same_kv_strides, score_halves,
                       scores_scale)
+from ..replay import launch as launch_kernel
 
 
 def invariant_config(G: int, head_dim: int, lists: int | None = None, kv_fp8: bool = False) -> settings.InvariantConfig:
@@ -112,7 +113,7 @@ def invariant_attention(q, k, v, indices, block_table, token_to_req, positions, 
     block_g = max(16, next_pow2(G))
     shared = dict(G=G, BLOCK_G=block_g, NUM_SPLITS=splits, HEAD_DIM=d, HAS_GATE=gate is not None,
                   RETURN_LSE=lse is not None)
-    invariant_attention_kernel[(rows, hkv, 1 if fold else splits)](
+    launch_kernel(invariant_attention_kernel, (rows, hkv, 1 if fold else splits),
         q, k, v, indices, block_table, token_to_req, positions, seq_lens, scratch, g, out, lse_t, part_acc, part_ml,
         width, block_table.shape[0], block_table.shape[1], k.shape[0], hq, qk_scale, float(v_scale),
         stride_idx_row=indices.stride(0), stride_scratch_row=scratch.stride(0), stride_bt=block_table.stride(0),
@@ -123,7 +124,7 @@ def invariant_attention(q, k, v, indices, block_table, token_to_req, positions, 
         **({"maxnreg": cfg.max_registers} if cfg.max_registers else {}), **launch_options(q.device))
     if not fold:
         block_d = launch.merge_columns
-        invariant_merge_kernel[(rows, hkv, d // block_d)](
+        launch_kernel(invariant_merge_kernel, (rows, hkv, d // block_d),
             part_acc, part_ml, g, out, lse_t, hq, float(v_scale), strides["stride_o_row"], strides["stride_o_head"],
             strides["stride_g_row"], strides["stride_g_head"], strides["stride_lse_row"], **shared,
             BLOCK_D=block_d, num_warps=4, **launch_options(q.device))

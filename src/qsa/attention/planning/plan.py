@@ -34,6 +34,7 @@ import torch
 from ... import settings, utils
 from ...utils import (INT32_MAX, check_bool, check_int, check_tensor, interpreter_enabled, launch_options, next_pow2,
                     round_up, type_name)
+from ..replay import launch as launch_kernel, owned, zeroed
 
 PAD = 16
 """Plans pad their lists to a multiple of this many entries (a multiple of every kernel tile)."""
@@ -399,7 +400,7 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
         map_mb = settings.SHARED_MAP_MICROBLOCKS if shared else workspace.microblocks
         # A listing step appends at most its SCAN // 4 words to the list of MAP_LIST_WORDS (4096 microblocks).
         scan = max(32, min(config.scan, 1 << ((4 * settings.MAP_LIST_WORDS).bit_length() - 1), next_pow2(microblocks)))
-        grouped_plan_map_kernel[(programs,)](
+        launch_kernel(grouped_plan_map_kernel, (programs,),
             indices, block_table, token_to_req, positions, seq_lens,
             out.mb_ids, out.masks, out.counts, workspace.bits,
             width, num_rows, num_groups, programs, block_table.shape[0], block_table.shape[1], num_blocks,
@@ -413,7 +414,7 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
         )
         return out
     scan = min(config.scan, max(PAD, next_pow2(microblocks)))
-    grouped_plan_kernel[(programs,)](
+    launch_kernel(grouped_plan_kernel, (programs,),
         indices, block_table, token_to_req, positions, seq_lens,
         out.mb_ids, out.masks, out.counts, workspace.bits,
         width, num_rows, num_groups, programs, block_table.shape[0], block_table.shape[1], num_blocks,
@@ -504,14 +505,14 @@ def _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_si
     if one_chunk or in_row:  # rows out of order are sorted by the row's own program: one launch
         unsorted = num_unsorted = counts
     else:
-        unsorted = torch.empty((rows,), dtype=torch.int32, device=device)
-        num_unsorted = torch.zeros((1,), dtype=torch.int32, device=device)
-    keys = torch.empty((rows - row_start, block_w), dtype=torch.int32, device=device) if in_row else counts
+        unsorted = owned(torch.empty((rows,), dtype=torch.int32, device=device))
+        num_unsorted = zeroed(torch.empty((1,), dtype=torch.int32, device=device))
+    keys = owned(torch.empty((rows - row_start, block_w), dtype=torch.int32, device=device)) if in_row else counts
     common = dict(W=width, num_reqs=block_table.shape[0], max_blocks=block_table.shape[1],
                   num_blocks=num_blocks, stride_idx_row=indices.stride(0), stride_bt_req=block_table.stride(0),
                   stride_ids_row=ids.stride(0), stride_masks_row=masks.stride(0), BLOCK_SIZE=block_size,
                   CH=chunk, PAD=PAD, EMIT_TOKENS=emit_tokens)
-    single_row_plan_kernel[(rows - row_start,)](
+    launch_kernel(single_row_plan_kernel, (rows - row_start,),
         indices, block_table, token_to_req, positions, seq_lens, ids, masks, counts, unsorted, num_unsorted,
         keys, row_start, **common, ONE_CHUNK=one_chunk, ASCENDING_STEPS=steps, SORT_W=block_w if in_row else 0,
         num_warps=num_warps or max(4, min(16, chunk // 128)),
@@ -520,8 +521,8 @@ def _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_si
         return
     facts = utils.device_facts(str(device))
     programs = max(1, min(rows - row_start, facts["sm_count"] if facts["kind"] == "cuda" else 2))
-    keys = torch.empty((programs, block_w), dtype=torch.int32, device=device)
-    single_row_sort_plan_kernel[(programs,)](
+    keys = owned(torch.empty((programs, block_w), dtype=torch.int32, device=device))
+    launch_kernel(single_row_sort_plan_kernel, (programs,),
         indices, block_table, token_to_req, positions, seq_lens, ids, masks, counts, unsorted, num_unsorted,
         keys, programs, **common, BLOCK_W=block_w, num_warps=max(4, min(16, block_w // 256)),
         **launch_options(device))

@@ -15,6 +15,7 @@ from ... import settings, utils
 from ...utils import launch_options, next_pow2
 from .. import routing
 from ..launch import dot_dtype, kernel_args, merge_splits, partials, same_kv_strides, score_halves, scores_scale
+from ..replay import launch as launch_kernel
 
 
 def splitk_config(G: int, head_dim: int, lists: int | None = None, kv_fp8: bool = False,
@@ -93,7 +94,7 @@ def splitk_attention(q, k, v, tokens, counts, block_table, token_to_req, *, bloc
     q, qk_scale = scores_scale(q, softmax_scale, k_scale)
     strides, g, lse_t = kernel_args(q, k, v, out, gate, lse)
     part_acc, part_ml = launch.partials if splits > 1 else (out, out)
-    splitk_attention_kernel[(rows, hkv, splits)](
+    launch_kernel(splitk_attention_kernel, (rows, hkv, splits),
         q, k, v, tokens, counts, block_table, token_to_req, g, out, lse_t, part_acc, part_ml,
         hq, qk_scale, float(v_scale),
         stride_tok=tokens.stride(0), stride_bt=block_table.stride(0), **strides,

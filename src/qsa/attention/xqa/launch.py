@@ -20,6 +20,7 @@ from .. import launch as common
 from ..launch import (direct_tiles, dot_dtype, kernel_args, merge_splits, partials, row_scratch, same_kv_strides,
                       score_halves, scores_scale)
 from ..planning.plan import SingleRowPlan
+from ..replay import launch as launch_kernel
 
 
 def xqa_config(G: int, head_dim: int) -> settings.SplitConfig:
@@ -167,7 +168,7 @@ def xqa_attention(q, k, v, plan: SingleRowPlan, *, row_start: int, out, lse, gat
     q, qk_scale = scores_scale(q, softmax_scale, k_scale)
     strides, g, lse_t = kernel_args(q, k, v, out, gate, lse)
     part_acc, part_ml = launch.partials if splits > 1 else (out, out)
-    xqa_attention_kernel[(n, hkv, splits)](
+    launch_kernel(xqa_attention_kernel, (n, hkv, splits),
         q, k, v, plan.mb_ids, plan.masks, plan.counts, g, out, lse_t, part_acc, part_ml,
         row_start, launch.cut_tiles, hq, qk_scale, float(v_scale),
         stride_ids=plan.mb_ids.stride(0), stride_masks=plan.masks.stride(0), **strides,
@@ -263,7 +264,7 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
                   G=G, BLOCK_G=max(16, next_pow2(G)), BLOCK_N=cfg.tile_tokens, BLOCK_W=block_w, NUM_SPLITS=splits,
                   HEAD_DIM=d, BLOCK_SIZE=k.shape[1], KV_FP8=kv_fp8, SAME_KV_STRIDES=same_kv_strides(k, v),
                   DOT_DTYPE=dot_dtype(q), HAS_GATE=gate is not None, RETURN_LSE=lse is not None)
-    xqa_direct_kernel[(n, hkv, splits)](
+    launch_kernel(xqa_direct_kernel, (n, hkv, splits),
         *inputs, g, out, lse_t, part_acc, part_ml, *sizes, **shared,
         PREFETCH=cfg.prefetch and not resolve, SPLIT_N=launch.split_n if resolve else 0, DEFER_CHECK=defer,
         HALVES=score_halves(cfg, d),
@@ -276,7 +277,7 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
         from .kernel import xqa_direct_merge_kernel
 
         block_d, warps, cap = launch.merge
-        xqa_direct_merge_kernel[(n, hq, d // block_d)](
+        launch_kernel(xqa_direct_merge_kernel, (n, hq, d // block_d),
             part_acc, part_ml, *launch.redo, out, g, lse_t, *inputs, *sizes, **shared, BLOCK_S=next_pow2(splits),
             BLOCK_D=block_d, HALVES=score_halves(cfg, d), num_warps=warps, **({"maxnreg": cap} if cap else {}),
             **launch_options(q.device))

@@ -1,0 +1,289 @@
+"""Replayed steps: an eager call's kernel launches, recorded once per shape and launched again with new inputs.
+
+Called eagerly, the op's host time goes to work that is the same on every call of one shape: checking
+the arguments, choosing routes and settings, and Triton's binding of every kernel argument. The first
+call of a shape runs the full path inside a :class:`Recorder`: every launch goes through :func:`launch`,
+which records the kernel, its grid and its arguments, and every fill of a buffer the step owns through
+:func:`zeroed`. The record becomes a :class:`Replay` only if every tensor argument of every launch is
+either one of the call's named inputs (matched by its data pointer) or a buffer the step owns (its plan's
+work lists, partials and scratch, and buffers registered with :func:`owned`); anything else (a
+temporary such as a negated ``q``) leaves the shape unreplayed, on the full path.
+
+A later call whose fingerprint (:func:`tensor_key` of every input, the scalars, the stream, the settings)
+equals the record's launches the same compiled kernels with the inputs' new data pointers: on the GPU one
+C call per launch. A compiled kernel assumes what Triton specialised it on: the argument dtypes and
+integers (all fixed by the fingerprint) and each pointer's 16-byte alignment, which a replay checks
+before it launches anything (a misaligned input takes the full path).
+
+A replay reuses its step's buffers: calls on one stream are ordered, so a call's buffers are free when
+the next call's launches run. The stream is part of the fingerprint (another stream gets its own
+buffers), and nothing is recorded or replayed during CUDA-graph capture.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from collections import OrderedDict
+from dataclasses import fields, is_dataclass
+
+import torch
+
+from .. import backend, settings, utils
+
+ON_INTERPRETER = False
+"""Replay under the Triton interpreter too (the CPU tests of this module set it); on the GPU always."""
+
+_local = threading.local()
+
+
+class Uncacheable(Exception):
+    """A record that cannot become a replay (an argument that is neither an input nor owned)."""
+
+
+class Recorder:
+    """Collects the launches and fills of one call (``with Recorder() as rec:``)."""
+
+    def __init__(self):
+        self.steps = []  # ("launch", kernel, grid, args, kwargs, compiled) or ("zero", tensor)
+        self.owned = []
+
+    def __enter__(self):
+        self._outer = getattr(_local, "recorder", None)
+        _local.recorder = self
+        return self
+
+    def __exit__(self, *exc):
+        _local.recorder = self._outer
+        return False
+
+
+def recording() -> Recorder | None:
+    return getattr(_local, "recorder", None)
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``, recorded when a :class:`Recorder` is active. Positional
+    arguments are the kernel's runtime arguments, keywords its constexprs and launch options."""
+    compiled = kernel[grid](*args, **kwargs)
+    rec = getattr(_local, "recorder", None)
+    if rec is not None:
+        rec.steps.append(("launch", kernel, tuple(grid), args, kwargs, compiled))
+    return compiled
+
+
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """Register ``t`` as a buffer of the step being recorded (scratch that every call writes before it
+    reads it): a replay keeps and reuses it."""
+    rec = getattr(_local, "recorder", None)
+    if rec is not None:
+        rec.owned.append(t)
+    return t
+
+
+def zeroed(t: torch.Tensor) -> torch.Tensor:
+    """Zero ``t`` (a buffer of the step) now, and on every replay at this point of the step."""
+    t.zero_()
+    rec = getattr(_local, "recorder", None)
+    if rec is not None:
+        rec.owned.append(t)
+        rec.steps.append(("zero", t))
+    return t
+
+
+def tensors_of(obj, found: list, depth: int = 0) -> list:
+    """Every tensor held by ``obj`` (dataclasses, lists, tuples and dicts, a few levels deep)."""
+    if isinstance(obj, torch.Tensor):
+        found.append(obj)
+    elif depth > 4 or obj is None:
+        pass
+    elif is_dataclass(obj) and not isinstance(obj, type):
+        for f in fields(obj):
+            tensors_of(getattr(obj, f.name), found, depth + 1)
+    elif isinstance(obj, (list, tuple)):
+        for x in obj:
+            tensors_of(x, found, depth + 1)
+    elif isinstance(obj, dict):
+        for x in obj.values():
+            tensors_of(x, found, depth + 1)
+    return found
+
+
+class _Launch:
+    __slots__ = ("kernel", "grid", "kwargs", "template", "slots", "compiled", "run", "function", "packed")
+
+
+class Replay:
+    """A recorded step: its launches, with the input slots of each, and the buffers it owns."""
+
+    def __init__(self, rec: Recorder, inputs: dict, keep: list, cuda: bool, device_index: int = 0):
+        by_ptr = {}
+        for name, t in inputs.items():
+            if t is None:
+                continue
+            p = t.data_ptr()
+            if p == 0 or p in by_ptr:
+                raise Uncacheable(f"input {name} shares its data pointer with {by_ptr.get(p)}")
+            by_ptr[p] = name
+        keep = [t for t in keep + rec.owned if t.data_ptr() not in by_ptr]  # the inputs are not held
+        own = {t.data_ptr() for t in keep}
+        self.keep = keep  # alive as long as the replay
+        self.cuda = cuda
+        self.aligned = set()  # inputs whose pointer a compiled kernel takes as 16-byte aligned
+        self.names = set()
+        self.steps = []
+        for step in rec.steps:
+            if step[0] == "zero":
+                self.steps.append(step)
+                continue
+            _, kernel, grid, args, kwargs, compiled = step
+            if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+                raise Uncacheable(f"{kernel.fn.__name__} takes a tensor by keyword")
+            slots = []
+            for i, a in enumerate(args):
+                if not isinstance(a, torch.Tensor):
+                    continue
+                p = a.data_ptr()
+                name = by_ptr.get(p)
+                if name is None:
+                    if p not in own:
+                        raise Uncacheable(f"argument {i} of {kernel.fn.__name__} is neither an input nor owned")
+                    continue
+                slots.append((i, name, a.dtype))
+                self.names.add(name)
+                if p % 16 == 0:
+                    self.aligned.add(name)
+            L = _Launch()
+            L.kernel, L.grid, L.kwargs, L.slots = kernel, grid, kwargs, slots
+            if cuda:
+                binder = kernel.device_caches[device_index][4]
+                bound, _, _ = binder(*args, **kwargs)
+                template = list(bound.values())
+                for j, v in enumerate(template):
+                    if isinstance(v, torch.Tensor):
+                        template[j] = v.data_ptr()
+                L.template = template
+                L.slots = [(i, name) for i, name, _ in slots]
+                L.run, L.function, L.packed = compiled.run, compiled.function, compiled.packed_metadata
+            else:
+                L.template = list(args)
+            self.steps.append(("launch", L))
+
+    def __call__(self, inputs: dict, stream: int) -> bool:
+        """Launch the step on ``inputs`` (name -> tensor); False, launching nothing, where an input's
+        alignment differs from what the compiled kernels assume."""
+        if self.cuda:
+            ptr = {}
+            for name in self.names:
+                p = inputs[name].data_ptr()
+                if p & 15 and name in self.aligned:
+                    return False
+                ptr[name] = p
+            for step in self.steps:
+                if step[0] == "zero":
+                    step[1].zero_()
+                    continue
+                L = step[1]
+                args = L.template.copy()
+                for i, name in L.slots:
+                    args[i] = ptr[name]
+                g = L.grid
+                L.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream, L.function, L.packed,
+                      None, None, None, *args)
+            return True
+        for step in self.steps:
+            if step[0] == "zero":
+                step[1].zero_()
+                continue
+            L = step[1]
+            args = L.template.copy()
+            for i, name, dtype in L.slots:
+                t = inputs[name]
+                args[i] = t if t.dtype == dtype else t.view(dtype)
+            L.kernel[L.grid](*args, **L.kwargs)
+        return True
+
+
+PLAIN = frozenset((float, int, bool, str, type(None)))
+"""Types of the scalars a fingerprint holds: compared by value (a tensor would compare by identity)."""
+
+
+def tensor_key(t):
+    """What a replay depends on in a tensor: shape, strides, dtype and device (None for None)."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.get_device())
+
+
+def environment() -> tuple:
+    """What every replay depends on besides its inputs: the settings, the device facts, the backend and
+    the environment variables the launchers read (a change of any of them, tests' patches included,
+    drops every replay)."""
+    return (tuple(vars(settings).values()), utils.device_facts, backend.interpreter_enabled,
+            backend.triton_available, os.environ.get("TRITON_INTERPRET"), os.environ.get("QSA_PDL"))
+
+
+def usable(device: torch.device) -> bool:
+    """Whether calls on ``device`` may record and replay now: a GPU outside CUDA-graph capture with no
+    Triton launch hooks, or the interpreter where :data:`ON_INTERPRETER` allows it."""
+    if not settings.REPLAY_STEPS:
+        return False
+    if device.type == "cuda":
+        if torch.cuda.is_current_stream_capturing() or backend.interpreter_enabled():
+            return ON_INTERPRETER and backend.interpreter_enabled()
+        runtime = _triton_runtime()
+        return _unhooked(runtime.launch_enter_hook) and _unhooked(runtime.launch_exit_hook)
+    return ON_INTERPRETER and device.type == "cpu" and backend.interpreter_enabled()
+
+
+def _unhooked(hook) -> bool:
+    """Whether a Triton launch hook is unset: None, or a hook chain with no calls (Triton 3.6)."""
+    return hook is None or not getattr(hook, "calls", True)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_runtime():
+    """Triton's runtime knobs (its launch hooks: a profiler that sets them sees every launch, so a
+    replay, which bypasses them, is not used then)."""
+    from triton import knobs
+
+    return knobs.runtime
+
+
+def current_stream(device: torch.device) -> int:
+    if device.type != "cuda" or backend.interpreter_enabled():
+        return 0
+    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else
+                                               torch.cuda.current_device())
+
+
+class ReplayCache:
+    """Replays by fingerprint, the least recently used dropped past ``settings.REPLAY_CACHE_SIZE``; a key
+    that could not be replayed maps to None (its calls take the full path without recording again)."""
+
+    def __init__(self):
+        self.entries = OrderedDict()
+        self.env = None
+        self.hits = 0
+
+    def get(self, key):
+        env = environment()
+        if env != self.env:
+            self.clear()
+            self.env = env
+        entry = self.entries.get(key, self)
+        if entry is not self:
+            self.entries.move_to_end(key)
+            if entry is not None:
+                self.hits += 1
+        return entry  # self: never seen
+
+    def put(self, key, replay) -> None:
+        self.entries[key] = replay
+        while len(self.entries) > settings.REPLAY_CACHE_SIZE:
+            self.entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self.hits = 0

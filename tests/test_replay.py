@@ -1,0 +1,285 @@
+"""Replayed eager calls (qsa.attention.replay): the second call of a shape launches what the first recorded.
+
+A replay must give the bits the full path gives on the same inputs, for every route and cache dtype, with
+every input at a new address; it must never run with a stale pointer, never serve a call whose settings
+changed, and leave every bad-input check in force. On the CPU the replay runs under the Triton
+interpreter (``replay.ON_INTERPRETER``); on a GPU the same tests run the compiled handles.
+"""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import qsa
+from helpers import HAS_CUDA, assert_bitwise, check_against_reference, make_attention_case, poisoned
+from qsa import settings
+from qsa.attention import api, replay
+
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
+                                               pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")])]
+
+
+@pytest.fixture(autouse=True)
+def replays_on(monkeypatch):
+    monkeypatch.setattr(replay, "ON_INTERPRETER", True)
+    monkeypatch.setattr(settings, "REPLAY_STEPS", True)
+    api._STEPS.clear()
+    yield
+    api._STEPS.clear()
+
+
+def case_for(device, kv="auto", seed=1, **kw):
+    return make_attention_case(rows=10, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=24,
+                               kv_cache_dtype=kv, seed=seed, device=device, **kw)
+
+
+def moved(case, seed):
+    """The same shapes with every input a new tensor (new addresses, the cache's interleaved storage
+    copied whole) and new values of q."""
+    c = case.cache
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(case.q.shape, generator=g).to(case.q.dtype).to(case.q.device)
+    storage = c.storage.clone()
+    cache = replace(c, k=storage[:, 0], v=storage[:, 1], storage=storage)
+    return replace(case, q=q, gate=None if case.gate is None else case.gate.clone(), cache=cache,
+                   indices=case.indices.clone(), block_table=case.block_table.clone(),
+                   token_to_req=case.token_to_req.clone(), positions=case.positions.clone(),
+                   seq_lens=case.seq_lens.clone())
+
+
+def call(case, **kw):
+    return case.run(qsa.sparse_paged_attention, return_lse=True, **kw)
+
+
+def entries():
+    return list(api._STEPS.entries.values())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
+@pytest.mark.parametrize("route", ["auto", "grouped", "xqa", "splitk", "invariant"])
+def test_a_replay_gives_the_full_paths_bits(device, kv, route):
+    first = case_for(device, kv, with_gate=route == "auto")
+    call(first, route=route, out=poisoned(first.q.shape, first.q.dtype, first.q.device))
+    assert len(entries()) == 1 and isinstance(entries()[0], replay.Replay), "the first call recorded no replay"
+    second = moved(first, seed=7)
+    out = poisoned(second.q.shape, second.q.dtype, second.q.device)
+    got = call(second, route=route, out=out)
+    assert got[0] is out and api._STEPS.hits == 1, "the second call was not replayed"
+    api._STEPS.clear()
+    full = call(second, route=route, out=poisoned(second.q.shape, second.q.dtype, second.q.device))
+    assert_bitwise(got, full, f"{route} replay vs full path")
+    check_against_reference(second, got, name=f"{route} replay")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_held_plan_replays_its_run(device):
+    case = case_for(device)
+    c = case.cache
+    plan = qsa.plan_attention(case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens,
+                              block_size=c.block_size, num_blocks=c.num_blocks, num_q_heads=2, num_kv_heads=1,
+                              head_dim=16)
+    first = qsa.run_attention(plan, case.q, c.k, c.v, return_lse=True)
+    assert any(isinstance(e, replay.Replay) for e in plan.replays.entries.values())
+    q2 = torch.randn_like(case.q)
+    got = qsa.run_attention(plan, q2, c.k, c.v, return_lse=True)
+    assert plan.replays.hits == 1, "the second run was not replayed"
+    plan.replays.clear()
+    full = qsa.run_attention(plan, q2, c.k, c.v, return_lse=True)
+    assert_bitwise(got, full, "run replay vs full run")
+    assert not torch.equal(first[0], got[0])
+    # an input changed in place is still refused on the replayed path
+    qsa.run_attention(plan, q2, c.k, c.v)
+    case.positions.add_(0)
+    with pytest.raises(ValueError, match="positions"):
+        qsa.run_attention(plan, q2, c.k, c.v)
+    # a plan refilled in place drops the launches recorded for its old buffers
+    plan2 = qsa.plan_attention(case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens,
+                               block_size=c.block_size, num_blocks=c.num_blocks, num_q_heads=2, num_kv_heads=1,
+                               head_dim=16, route="splitk", out=plan)
+    assert plan2 is plan and not plan.replays.entries
+    assert_bitwise(qsa.run_attention(plan, q2, c.k, c.v, return_lse=True),
+                   call(case_like(case, q2), route="splitk"), "refilled plan")
+
+
+def case_like(case, q):
+    return replace(case, q=q)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_temporary_argument_is_never_replayed(device):
+    """A negative softmax scale makes the launchers pass a negated copy of q: no input, no owned buffer.
+    Such a shape keeps the full path (its entry is None) and stays correct."""
+    case = case_for(device)
+    a = call(case, softmax_scale=-0.25)
+    assert entries() == [None]
+    b = call(case, softmax_scale=-0.25)
+    assert_bitwise(a, b, "negative scale, twice")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_settings_change_drops_every_replay(device, monkeypatch):
+    case = case_for(device)
+    call(case, route="xqa")
+    assert len(entries()) == 1
+    monkeypatch.setattr(settings, "MAX_SPLITS", settings.MAX_SPLITS + 1)
+    call(case, route="xqa")
+    assert len(entries()) == 1 and api._STEPS.hits == 0, "a replay served a call under other settings"
+    monkeypatch.setattr(settings, "REPLAY_STEPS", False)
+    api._STEPS.clear()
+    call(case, route="xqa")
+    assert entries() == [], "REPLAY_STEPS off still recorded"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_input_is_refused_after_a_replayed_shape(device):
+    case = case_for(device)
+    call(case)
+    call(case)
+    with pytest.raises((TypeError, ValueError), match="indices"):
+        qsa.sparse_paged_attention(case.q, case.cache.k, case.cache.v, case.indices.long(), case.block_table,
+                                   case.token_to_req, case.positions, case.seq_lens)
+    with pytest.raises((TypeError, ValueError), match="q"):
+        qsa.sparse_paged_attention(case.q.float(), case.cache.k, case.cache.v, case.indices, case.block_table,
+                                   case.token_to_req, case.positions, case.seq_lens)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_replay_that_kept_a_stale_pointer_is_caught(device):
+    """Known-wrong variant: a replay whose launches lost the slot of ``q`` keeps reading the first call's q.
+    The bitwise comparison with the full path, as the tests above make it, must reject it."""
+    first = case_for(device)
+    call(first, route="xqa")
+    (step,) = entries()
+    for kind, *rest in step.steps:
+        if kind == "launch":
+            rest[0].slots = [s for s in rest[0].slots if s[1] != "q"]
+    step.names.discard("q")
+    second = moved(first, seed=3)
+    stale = call(second, route="xqa")
+    api._STEPS.clear()
+    full = call(second, route="xqa")
+    assert not torch.equal(stale[0], full[0]), "a stale q went unnoticed"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_a_misaligned_input_takes_the_full_path():
+    """The compiled kernels assume 16-byte aligned pointers where the recording call had them: a q at an
+    odd offset with the same strides must not be launched through the replay."""
+    case = case_for("cuda")
+    rows, hq, d = case.q.shape
+    base = torch.randn(rows * hq * d + 1, device="cuda").to(case.q.dtype)
+    aligned = base[:-1].view(rows, hq, d)
+    odd = base[1:].view(rows, hq, d)
+    call(case_like(case, aligned.copy_(case.q)), route="xqa")
+    got = call(case_like(case, odd), route="xqa")
+    api._STEPS.clear()
+    full = call(case_like(case, odd.clone()), route="xqa")
+    assert_bitwise(got, full, "misaligned q")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_cuda_graph_capture_records_nothing_and_replays_bitwise():
+    case = case_for("cuda")
+    out = torch.empty_like(case.q)
+    lse = None
+    eager = call(case)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        case.run(qsa.sparse_paged_attention, out=out)
+    torch.cuda.current_stream().wait_stream(side)
+    before = len(entries())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        case.run(qsa.sparse_paged_attention, out=out)
+    assert len(entries()) == before, "a call under capture was recorded"
+    g.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, eager[0]) and lse is None
+
+
+class StandInCompiled:
+    """Stands in for a compiled Triton kernel: its launcher records what it is called with."""
+
+    function, packed_metadata = "function", "metadata"
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *args):
+        self.calls.append(args)
+
+
+class StandInKernel:
+    """Stands in for a JIT kernel: one device cache whose binder orders the arguments as Triton's does
+    (runtime arguments, then constexprs by name)."""
+
+    def __init__(self, names):
+        self.names = names
+        self.fn = self.binder
+        self.device_caches = {0: (None, None, None, None, self.binder)}
+
+    def binder(self, *args, **kwargs):
+        bound = dict(zip(self.names, args))
+        bound.update((k, v) for k, v in kwargs.items() if k.isupper())
+        return bound, None, None
+
+
+def recorded(kernel, compiled, args, kwargs, owned=()):
+    rec = replay.Recorder()
+    rec.steps.append(("launch", kernel, (3, 2), args, kwargs, compiled))
+    rec.owned.extend(owned)
+    return rec
+
+
+def test_the_compiled_path_launches_new_pointers_into_the_recorded_arguments():
+    """The GPU path of a replay, against a stand-in launcher: each input slot gets the new input's
+    pointer, owned buffers and integers keep theirs, constexprs follow in order, hooks are None."""
+    q, out, scratch = torch.zeros(64), torch.zeros(64), torch.zeros(32)
+    kernel, compiled = StandInKernel(["q", "out", "scratch", "n", "scale"]), StandInCompiled()
+    rec = recorded(kernel, compiled, (q, out, scratch, 7, 0.5), dict(BLOCK=16, num_warps=4), owned=[scratch])
+    step = replay.Replay(rec, dict(q=q, out=out), [], cuda=True)
+    q2, out2 = torch.zeros(64), torch.zeros(64)
+    assert step(dict(q=q2, out=out2), stream=11)
+    (call,) = compiled.calls
+    assert call[:10] == (3, 2, 1, 11, "function", "metadata", None, None, None, q2.data_ptr())
+    assert call[10:] == (out2.data_ptr(), scratch.data_ptr(), 7, 0.5, 16)
+
+
+def test_the_compiled_path_refuses_a_misaligned_input_before_launching():
+    q, out = torch.zeros(64), torch.zeros(64)
+    kernel, compiled = StandInKernel(["q", "out"]), StandInCompiled()
+    step = replay.Replay(recorded(kernel, compiled, (q, out), {}), dict(q=q, out=out), [], cuda=True)
+    odd = torch.zeros(65)[1:]
+    assert odd.data_ptr() % 16 and not step(dict(q=odd, out=out), stream=0)
+    assert compiled.calls == [], "launched with a pointer the kernel assumes aligned"
+
+
+@pytest.mark.parametrize("wrong", ["stranger", "keyword", "shared"])
+def test_a_record_with_an_unknown_tensor_is_refused(wrong):
+    """Known-wrong records: a tensor argument that is no input and not owned, a tensor passed by keyword
+    (not substituted), two inputs at one address. Each must raise Uncacheable, never replay."""
+    q, out, other = torch.zeros(64), torch.zeros(64), torch.zeros(64)
+    kernel, compiled = StandInKernel(["q", "out", "x"]), StandInCompiled()
+    args, kwargs, inputs = (q, out, 0), {}, dict(q=q, out=out)
+    if wrong == "stranger":
+        args = (q, out, other)
+    elif wrong == "keyword":
+        kwargs = dict(x=other)
+    else:
+        inputs = dict(q=q, out=q)
+    with pytest.raises(replay.Uncacheable):
+        replay.Replay(recorded(kernel, compiled, args, kwargs), inputs, [], cuda=True)
+
+
+def test_launch_hooks_unset_reads_an_empty_chain_as_unset():
+    class Chain:
+        def __init__(self, calls):
+            self.calls = calls
+
+    assert replay._unhooked(None) and replay._unhooked(Chain([]))
+    assert not replay._unhooked(Chain([print])) and not replay._unhooked(print)
