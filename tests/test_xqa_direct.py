@@ -19,10 +19,7 @@ import qsa.settings
 import qsa.utils
 from qsa.cache.paged import random_mapping
 from qsa.attention.kernels import attend_tile_halves
-from helpers import make_attention_case
-from qsa.attention.reference import assert_close_like_torch, reference_attention
-
-from helpers import ascending_rows, assert_bitwise, check_against_reference
+from helpers import ascending_rows, assert_bitwise, check_against_reference, make_attention_case
 
 
 
@@ -715,9 +712,6 @@ def test_xqa_merges_take_the_columns_of_their_lists(few_lists, monkeypatch):
     merge without the deferred check, and the planned kernel's): two column programs per head where the 3
     lists are few (columns patched to half the head), one otherwise. Exact either way; on rows out of
     order (each column program of the deferred merge recomputes the row) bitwise the same as in order."""
-    import qsa
-    import qsa
-
     monkeypatch.setattr(qsa.settings, "XQA_MERGE_FEW_COLUMNS", 8)
     monkeypatch.setattr(qsa.settings, "XQA_MERGE_FEW_LISTS", few_lists)
     grids = []
