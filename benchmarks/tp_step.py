@@ -3,11 +3,12 @@
 Every rank builds the reference-shape layer (24/2 heads of 256, index 4 x 128, top-512) with its head
 shard, fills a paged context for ``--requests`` requests of ``--context`` tokens (untimed), then times
 
-* prefill: one chunk of ``--chunk`` rows at the end of request 0's context (eager; launch overhead is
-  small next to the work);
-* decode: one row per request (eager, and replayed from a CUDA graph);
+* prefill: one chunk of ``--chunk`` rows at the end of request 0's context;
+* decode: one row per request;
 
-with CUDA events (median of ``--reps``; the all-reduce included). Rank 0 reports.
+each called eagerly, replayed from a CUDA graph, and (``--compile``) called through ``torch.compile`` of
+the layer, with CUDA events (median of ``--reps``; the all-reduce included). ``--replay`` turns on
+``settings.REPLAY_STEPS`` (eager calls replay their recorded launches). Rank 0 reports.
 
 Run from the checkout root: ``PYTHONPATH=src python -m benchmarks.tp_step [--tp 1 2] [--context 8192]``;
 ``--json benchmarks/results/tp-step-latest-nvidia-h200.json`` replaces the kept result (the one before it is
@@ -41,6 +42,43 @@ def _median_ms(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def _graph_ms(fn, reps: int):
+    """Median replay time of ``fn`` captured in a CUDA graph (warmed up on a side stream first), or the
+    error that stopped the capture (a string)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        ms = _median_ms(graph.replay, reps)
+        del graph  # a captured NCCL call holds the communicator: release it before the group goes
+        torch.cuda.synchronize()
+        return ms
+    except Exception as e:  # recorded: the eager figures still stand
+        torch.cuda.synchronize()
+        return f"capture failed: {type(e).__name__}: {e}"[:200]
+
+
+def _compiled_ms(layer, x, meta, cache, reps: int):
+    """Median time of the layer step through ``torch.compile`` (compiled on its first calls), or the
+    error that stopped it (a string)."""
+    try:
+        compiled = torch.compile(layer)
+        for _ in range(2):
+            compiled(x, meta, cache)
+        torch.cuda.synchronize()
+        return _median_ms(lambda: compiled(x, meta, cache), reps)
+    except Exception as e:
+        torch.cuda.synchronize()
+        return f"compile failed: {type(e).__name__}: {e}"[:200]
+
+
 def _profile(fn) -> None:
     """Print the CUDA kernels of one eager call of ``fn``, longest first."""
     from torch.profiler import ProfilerActivity, profile
@@ -60,6 +98,9 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
     from qsa.model.layer import QSAAttention, QSAConfig, StepMetadata
     from qsa.model.serving import prefill_schedule
     from qsa.model.tp import destroy, init_local_group, TPInfo
+    from qsa import settings
+
+    settings.REPLAY_STEPS = args.replay
 
     faulthandler.dump_traceback_later(args.watchdog, exit=True)  # a hung rank prints where it is
     t0 = time.time()
@@ -108,31 +149,25 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
 
         meta = meta_for([(0, L - args.chunk, L)])
         x = hidden(args.chunk)
-        layer(x, meta, cache)
-        prefill_ms = _median_ms(lambda: layer(x, meta, cache), args.reps)
-        say(f"prefill {prefill_ms:.3f} ms")
-
         dmeta = meta_for([(r, L, L + 1) for r in range(R)])
         dx = hidden(R)
-        layer(dx, dmeta, cache)
-        decode_ms = _median_ms(lambda: layer(dx, dmeta, cache), args.reps)
-        say(f"decode {decode_ms:.3f} ms; capturing a CUDA graph")
-        graph = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(graph):
-            layer(dx, dmeta, cache)
-        graph.replay()
-        decode_graph_ms = _median_ms(graph.replay, args.reps)
-        say(f"decode graph {decode_graph_ms:.3f} ms")
+        times = {}
+        for step, (xs, ms) in (("prefill", (x, meta)), ("decode", (dx, dmeta))):
+            layer(xs, ms, cache)
+            times[f"{step}_ms"] = _median_ms(lambda: layer(xs, ms, cache), args.reps)
+            times[f"{step}_graph_ms"] = _graph_ms(lambda: layer(xs, ms, cache), args.reps)
+            if args.compile:
+                times[f"{step}_compiled_ms"] = _compiled_ms(layer, xs, ms, cache, args.reps)
+            say(f"{step} " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
+                                       for k, v in times.items() if k.startswith(step)))
         if args.profile and world == 1:  # alone: a profiled call on one rank would wait for the others
             _profile(lambda: layer(dx, dmeta, cache))
-        del graph  # a captured NCCL call holds the communicator: release it before the group goes
         torch.cuda.synchronize()
 
     if rank == 0:
         with open(out_path, "w") as f:
-            json.dump(dict(tp=world, heads=f"{layer.num_q_heads}/{layer.num_kv_heads}", prefill_ms=prefill_ms,
-                           decode_ms=decode_ms, decode_graph_ms=decode_graph_ms), f)
+            json.dump(dict(tp=world, heads=f"{layer.num_q_heads}/{layer.num_kv_heads}",
+                           replay=settings.REPLAY_STEPS, **times), f)
     if world > 1:
         destroy()
     faulthandler.cancel_dump_traceback_later()
@@ -147,6 +182,9 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="print the kernels of one eager decode step (rank 0)")
+    p.add_argument("--compile", action="store_true", help="also time each step through torch.compile of the layer")
+    p.add_argument("--replay", action="store_true", help="eager calls replay their recorded launches "
+                                                          "(settings.REPLAY_STEPS)")
     p.add_argument("--watchdog", type=float, default=240, help="seconds before a rank dumps its stack and exits")
     p.add_argument("--json", default=None,
                    help="also write the rows (with device and settings) to this file; the repository keeps the "
@@ -170,11 +208,15 @@ def main(argv=None) -> int:
             print(f"TP{world}: {rows[-1]}", flush=True)
     print(f"{args.requests} requests x {args.context} tokens of context, prefill chunk {args.chunk}, "
           f"block size {args.block_size}; {torch.cuda.get_device_name()}")
-    print(f"{'TP':>3s} {'heads/rank':>10s} {'prefill ms':>10s} {'prefill tok/s':>13s} {'decode ms':>9s} "
-          f"{'decode graph ms':>15s}")
+    print(f"{'TP':>3s} {'heads/rank':>10s} {'step':>8s} {'eager ms':>9s} {'graph ms':>9s} {'eager/graph':>11s} "
+          f"{'compiled ms':>11s}")
     for r in rows:
-        print(f"{r['tp']:>3d} {r['heads']:>10s} {r['prefill_ms']:>10.3f} {args.chunk / r['prefill_ms'] * 1e3:>13.0f} "
-              f"{r['decode_ms']:>9.3f} {r['decode_graph_ms']:>15.3f}")
+        for step in ("prefill", "decode"):
+            eager, graph, comp = r[f"{step}_ms"], r.get(f"{step}_graph_ms"), r.get(f"{step}_compiled_ms")
+            num = isinstance(graph, float)
+            print(f"{r['tp']:>3d} {r['heads']:>10s} {step:>8s} {eager:>9.3f} "
+                  f"{graph if not num else f'{graph:.3f}':>9} {f'{eager / graph:.2f}' if num else '-':>11s} "
+                  f"{comp if not isinstance(comp, float) else f'{comp:.3f}'!s:>11}")
     if args.json:
         record = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
                   "settings": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows}
