@@ -149,7 +149,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--profile", type=Path, help="write a cProfile of the first step's auto call here")
     p.add_argument("--device", default="auto")
+    p.add_argument("--replay", action="store_true", help="eager calls replay their recorded launches "
+                                                          "(settings.REPLAY_STEPS)")
     args = p.parse_args(argv)
+    if args.replay:
+        from qsa import settings
+
+        settings.REPLAY_STEPS = True
 
     import torch
 

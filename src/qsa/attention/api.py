@@ -389,23 +389,29 @@ def _replay_of(rec: replay.Recorder, inputs: dict, plan: AttentionPlan, device) 
         return None
 
 
-def _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_scale, softmax_scale, out, return_lse):
-    """run_attention's full path: every check, then the launches."""
-    if not isinstance(plan, AttentionPlan):
-        raise TypeError(f"plan must be an AttentionPlan (from qsa.plan_attention), got {type(plan).__name__}")
-    num_blocks, block_size, hkv = _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype)
-    check_forward_only(q, gate, k_cache, v_cache)
-    rows, hq, d = q.shape
-    if rows != plan.num_rows or block_size != plan.block_size or num_blocks != plan.num_blocks \
-            or (hq, hkv, d) != (plan.num_q_heads, plan.num_kv_heads, plan.head_dim):
-        raise ValueError("the plan was made for other shapes: rows, cache geometry and heads must match")
-    if kv_cache_dtype != plan.kv_cache_dtype:
-        raise ValueError(f"the plan was made for kv_cache_dtype={plan.kv_cache_dtype!r}, got {kv_cache_dtype!r}: "
-                         f"pass the cache's kv_cache_dtype to plan_attention too")
+def _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_scale, softmax_scale, out, return_lse,
+                 plan_checked: bool = False):
+    """run_attention's full path: every check, then the launches. ``plan_checked``: the caller checked
+    the activations and built ``plan`` from them just now (sparse_paged_attention), so the checks of the
+    activations and of the plan against them are not repeated."""
+    if not plan_checked:
+        if not isinstance(plan, AttentionPlan):
+            raise TypeError(f"plan must be an AttentionPlan (from qsa.plan_attention), got {type(plan).__name__}")
+        num_blocks, block_size, hkv = _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype)
+        check_forward_only(q, gate, k_cache, v_cache)
+        rows, hq, d = q.shape
+        if rows != plan.num_rows or block_size != plan.block_size or num_blocks != plan.num_blocks \
+                or (hq, hkv, d) != (plan.num_q_heads, plan.num_kv_heads, plan.head_dim):
+            raise ValueError("the plan was made for other shapes: rows, cache geometry and heads must match")
+        if kv_cache_dtype != plan.kv_cache_dtype:
+            raise ValueError(f"the plan was made for kv_cache_dtype={plan.kv_cache_dtype!r}, got "
+                             f"{kv_cache_dtype!r}: pass the cache's kv_cache_dtype to plan_attention too")
+        if not same_device(plan.inputs.indices.device, q.device):
+            raise ValueError(f"the plan was made on {plan.inputs.indices.device}, q is on {q.device}")
+        plan.inputs.check_unchanged()
+    rows, d = q.shape[0], q.shape[2]
+    block_size = plan.block_size
     inputs = plan.inputs
-    if not same_device(inputs.indices.device, q.device):
-        raise ValueError(f"the plan was made on {inputs.indices.device}, q is on {q.device}")
-    inputs.check_unchanged()
     k_scale = as_finite_float("k_scale", k_scale)
     v_scale = as_finite_float("v_scale", v_scale)
     if kv_cache_dtype == "fp8_e4m3":  # written as x / scale (docs/spec.md section 3): a scale must be > 0
@@ -589,5 +595,5 @@ def _plan_and_run(q, k_cache, v_cache, indices, block_table, token_to_req, posit
                           head_dim=q.shape[2], route=route, max_query_len=max_query_len,
                           rows_sorted=rows_sorted, kv_cache_dtype=kv_cache_dtype)
     result = _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_scale, softmax_scale, out,
-                          return_lse)
+                          return_lse, plan_checked=True)
     return (plan, result) if with_plan else result
