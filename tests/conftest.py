@@ -21,6 +21,17 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def no_recorded_steps():
+    """Every test starts with no recorded eager steps (``qsa.attention.replay``): a test that patches a
+    launcher's settings function must not be served a step another test recorded."""
+    from qsa.attention import api
+
+    api._STEPS.clear()
+    yield
+    api._STEPS.clear()
+
+
 @pytest.fixture
 def device():
     """The device CPU-sized tests run on: the GPU when there is one, else the CPU (interpreter)."""

@@ -15,6 +15,7 @@ import qsa
 from helpers import HAS_CUDA, assert_bitwise, check_against_reference, make_attention_case, poisoned
 from qsa import settings
 from qsa.attention import api, replay
+from qsa.cache.paged import random_mapping
 
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu,
                                                pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")])]
@@ -35,15 +36,15 @@ def case_for(device, kv="auto", seed=1, **kw):
 
 
 def moved(case, seed):
-    """The same shapes with every input a new tensor (new addresses, the cache's interleaved storage
-    copied whole) and new values of q."""
-    c = case.cache
+    """The same shapes with every input a new tensor at a new address and new values: the cache's pages
+    moved (a new table), a new selection in every row (out-of-range and -1 entries included), new q.
+    A replay that skipped any planning step, or kept any pointer of the first call, gives other bits."""
     g = torch.Generator(device="cpu").manual_seed(seed)
+    case = case.relocated(random_mapping(case.cache.num_blocks, generator=g).to(case.q.device))
     q = torch.randn(case.q.shape, generator=g).to(case.q.dtype).to(case.q.device)
-    storage = c.storage.clone()
-    cache = replace(c, k=storage[:, 0], v=storage[:, 1], storage=storage)
-    return replace(case, q=q, gate=None if case.gate is None else case.gate.clone(), cache=cache,
-                   indices=case.indices.clone(), block_table=case.block_table.clone(),
+    hi = int(case.seq_lens.max()) + 3
+    indices = torch.randint(-1, hi, case.indices.shape, generator=g, dtype=torch.int32).to(case.q.device)
+    return replace(case, q=q, gate=None if case.gate is None else case.gate.clone(), indices=indices,
                    token_to_req=case.token_to_req.clone(), positions=case.positions.clone(),
                    seq_lens=case.seq_lens.clone())
 
@@ -161,6 +162,24 @@ def test_a_replay_that_kept_a_stale_pointer_is_caught(device):
     api._STEPS.clear()
     full = call(second, route="xqa")
     assert not torch.equal(stale[0], full[0]), "a stale q went unnoticed"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("route", ["grouped", "splitk"])
+def test_a_replay_that_skipped_a_planning_launch_is_caught(device, route):
+    """Known-wrong variant: a replay without its first launch (the planner's) runs the attention kernels
+    on the first call's work lists. The new selection of :func:`moved` must make that visible."""
+    first = case_for(device)
+    call(first, route=route)
+    (step,) = entries()
+    first_launch = next(i for i, s in enumerate(step.steps) if s[0] == "launch")
+    del step.steps[first_launch]
+    second = moved(first, seed=5)
+    stale = call(second, route=route)
+    assert api._STEPS.hits == 1
+    api._STEPS.clear()
+    full = call(second, route=route)
+    assert not torch.equal(stale[0].nan_to_num(), full[0].nan_to_num()), "a skipped planning launch went unnoticed"
 
 
 @pytest.mark.gpu
