@@ -5,8 +5,8 @@ Subsystems: :mod:`qsa.attention` (API, routing, planning, one folder per route, 
 torch ops), :mod:`qsa.cli`; every tuning knob in :mod:`qsa.settings`; where kernels can run in
 :mod:`qsa.backend`."""
 
-from .attention import (AttentionPlan, PlanInputs, plan_attention, reference_attention, run_attention, sdpa_attention,
-                        sparse_paged_attention)
+from .attention import (AttentionPlan, PlanInputs, merge_attention_states, plan_attention, reference_attention,
+                        run_attention, sdpa_attention, sparse_paged_attention)
 from .attention.planning import GroupedPlan, PlanWorkspace, SingleRowPlan, plan_groups, plan_single_rows
 from .cache import (BlockAllocator, PagedKVCache, allocate_kv_cache, dequantize_e4m3, quantize_e4m3,
                     random_mapping, relocate, write_kv)
@@ -40,6 +40,7 @@ __all__ = [
     "allocate_kv_cache",
     "block_scores",
     "dequantize_e4m3",
+    "merge_attention_states",
     "plan_attention",
     "plan_groups",
     "plan_single_rows",

@@ -139,6 +139,8 @@ XQA_MERGE_FEW_LISTS = 8
 """Up to this many lists of an xqa launch, its split merge cuts each head into column programs."""
 XQA_MERGE_FEW_COLUMNS = 128
 """Columns per program of that merge."""
+MERGE_STATES_TILE_ELEMENTS = 2048
+"""Elements (heads x padded D) per program of ``merge_attention_states``: sized, not measured; changes no bit."""
 
 # --- splitk --------------------------------------------------------------------------------------
 

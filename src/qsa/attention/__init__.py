@@ -11,7 +11,8 @@ references.
 """
 
 from .api import AttentionPlan, PlanInputs, plan_attention, run_attention, sparse_paged_attention
+from .merge import merge_attention_states
 from .reference import reference_attention, sdpa_attention
 
-__all__ = ["AttentionPlan", "PlanInputs", "plan_attention", "reference_attention", "run_attention",
-           "sdpa_attention", "sparse_paged_attention"]
+__all__ = ["AttentionPlan", "PlanInputs", "merge_attention_states", "plan_attention", "reference_attention",
+           "run_attention", "sdpa_attention", "sparse_paged_attention"]
