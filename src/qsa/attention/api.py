@@ -32,7 +32,9 @@ def _version(t):
 class PlanInputs:
     """The planner's inputs a plan was built from, with their version counters at planning time.
 
-    Iterates (and indexes) as the tuple ``(indices, block_table, token_to_req, positions, seq_lens)``.
+    Iterates (and indexes) as the tuple ``(indices, block_table, token_to_req, positions, seq_lens)``;
+    ``index_counts`` (``[rows]`` int32, or None: every row is all ``W`` of its entries) is held beside them,
+    its version counter in ``counts_version``.
     :func:`run_attention` compares the version counters (a few attribute reads) and refuses a plan whose
     inputs were changed in place since: its work lists would no longer describe them. Views of one tensor
     share its counter, so an in-place change through any view of an input counts. Tensors without a
@@ -45,6 +47,7 @@ class PlanInputs:
     token_to_req: torch.Tensor
     positions: torch.Tensor
     seq_lens: torch.Tensor
+    index_counts: torch.Tensor | None = None
     versions: tuple = field(init=False, repr=False, compare=False)
 
     NAMES = ("indices", "block_table", "token_to_req", "positions", "seq_lens")
@@ -54,6 +57,9 @@ class PlanInputs:
         self.versions = versions = (_version(tensors[0]), _version(tensors[1]), _version(tensors[2]),
                                     _version(tensors[3]), _version(tensors[4]))
         self._tracked = [(name, t, v) for name, t, v in zip(self.NAMES, tensors, versions) if v is not None]
+        self.counts_version = _version(self.index_counts)
+        if self.counts_version is not None:
+            self._tracked.append(("index_counts", self.index_counts, self.counts_version))
 
     def as_tuple(self) -> tuple:
         return (self.indices, self.block_table, self.token_to_req, self.positions, self.seq_lens)
@@ -119,8 +125,9 @@ class AttentionPlan:
         tokens: ``[rows, W]`` int32 distinct kept tokens per row (splitk route), else None.
         token_counts: ``[rows]`` int32 (splitk route), else None.
         inputs: the planner's inputs (:class:`PlanInputs`: indices, block_table, token_to_req, positions,
-            seq_lens, iterable as that tuple) with their version counters at planning time; a tuple
-            given here becomes a :class:`PlanInputs`.
+            seq_lens, iterable as that tuple, and ``index_counts``, None where the rows have no counts) with
+            their version counters at planning time; a tuple given here becomes a :class:`PlanInputs`
+            (without counts).
         block_size, num_blocks: the KV cache geometry the plan was made for.
         num_q_heads, num_kv_heads, head_dim: the attention shape the route was chosen for.
         kv_cache_dtype: the cache encoding the launches were chosen for ("auto" or "fp8_e4m3").
@@ -162,11 +169,12 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
                    route: str = "auto", out: AttentionPlan | None = None,
                    workspace: PlanWorkspace | None = None, order: str = "logical",
                    max_query_len: int | None = None, rows_sorted: bool = False,
-                   kv_cache_dtype: str = "auto") -> AttentionPlan:
+                   kv_cache_dtype: str = "auto", index_counts=None) -> AttentionPlan:
     """Choose routes, build their work lists and decide every launch of one batch of rows.
 
     Args:
-        indices: ``[rows, W]`` int32 selected logical tokens per row (any order; -1 = none).
+        indices: ``[rows, W]`` int32 selected logical tokens per row (any order; -1 = none); any row stride,
+            contiguous along W.
         block_table: ``[num_reqs, max_blocks]`` int32.
         token_to_req: ``[rows]`` int32/int64; positions: ``[rows]`` int64; seq_lens: ``[num_reqs]`` int32.
         block_size, num_blocks: the KV cache geometry.
@@ -190,16 +198,22 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
             not sorted after all costs an in-kernel sort.
         kv_cache_dtype: "auto" (a cache in q's dtype) or "fp8_e4m3": the cache the plan will run on;
             :func:`run_attention` refuses another. Some launch settings differ for an FP8 cache.
+        index_counts: optional ``[rows]`` int32, any stride (vLLM's layout: ``indices = buf[:, :W]``,
+            ``index_counts = buf[:, W]`` of one ``[rows, W + 1]`` buffer): row ``r`` is then only its first
+            ``min(max(index_counts[r], 0), W)`` entries; no kernel reads an entry past them (they may hold
+            anything), and the row gives the bits it would give with -1 in their place. ``rows_sorted``
+            then speaks of the first entries. Recorded in the plan (``plan.inputs.index_counts``, checked
+            for in-place changes like the other inputs). Default None: every row is all ``W`` entries.
 
     Every launch of the step is decided here, from shapes the host knows: the route of each row, each
     kernel's settings (:mod:`qsa.settings`, through each route's ``launch.py``), split counts, and the
     split partials and scratch they need, allocated here (reused from ``out`` where they fit).
 
-    The plan keeps references to ``indices`` .. ``seq_lens`` and work lists derived from them: after any of
-    them changes, plan again (``out=`` the plan) before :func:`run_attention`. The plan records their
-    version counters, and :func:`run_attention` refuses (ValueError) a plan whose inputs were modified in
-    place by torch ops since (not checked: tensors made under ``torch.inference_mode()``, which have no
-    version counter, and writes outside torch, such as CUDA-graph replay).
+    The plan keeps references to ``indices`` .. ``seq_lens`` (and ``index_counts``) and work lists derived
+    from them: after any of them changes, plan again (``out=`` the plan) before :func:`run_attention`. The
+    plan records their version counters, and :func:`run_attention` refuses (ValueError) a plan whose inputs
+    were modified in place by torch ops since (not checked: tensors made under ``torch.inference_mode()``,
+    which have no version counter, and writes outside torch, such as CUDA-graph replay).
     """
     if order not in ("logical", "physical"):
         raise ValueError(f"order must be 'logical' or 'physical', got {order!r}")
@@ -212,7 +226,7 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
     if out is not None and not isinstance(out, AttentionPlan):
         raise TypeError(f"out must be an AttentionPlan (from qsa.plan_attention) or None, got {type(out).__name__}")
     check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
-                      num_blocks=num_blocks)
+                      num_blocks=num_blocks, index_counts=index_counts)
     choice = routing.choose(route, rows=indices.shape[0], G=num_q_heads // num_kv_heads, head_dim=head_dim,
                            device=indices.device, max_query_len=max_query_len, rows_sorted=rows_sorted,
                            index_width=indices.shape[1])
@@ -224,26 +238,27 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
             grouped = plan_groups(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                                   num_blocks=num_blocks, group_rows=choice.group_rows,
                                   num_rows=choice.grouped_rows, out=out.grouped if out is not None else None,
-                                  workspace=workspace)
+                                  workspace=workspace, index_counts=index_counts)
             if order == "physical":
                 grouped = physical_order(grouped)
         if choice.grouped_rows < indices.shape[0] and not choice.direct:
             single = plan_single_rows(indices, block_table, token_to_req, positions, seq_lens,
                                       block_size=block_size, num_blocks=num_blocks,
                                       out=out.single if out is not None else None, row_start=choice.grouped_rows,
-                                      rows_sorted=rows_sorted)
+                                      rows_sorted=rows_sorted, index_counts=index_counts)
     elif choice.route == "splitk":
         tokens, counts = token_lists(indices, block_table, token_to_req, positions, seq_lens,
                                      block_size=block_size, num_blocks=num_blocks,
                                      out=(out.tokens, out.token_counts) if out is not None and out.tokens is not None
-                                     else None)
+                                     else None, index_counts=index_counts)
     launches = _plan_launches(choice, single, grouped, tokens, indices, num_q_heads, num_kv_heads, head_dim,
                               kv_cache_dtype == "fp8_e4m3", out.launches if out is not None else StepLaunches())
     if workspace is None and out is not None:
         workspace = out.workspace  # kept for the next step that groups rows
     plan = AttentionPlan(choice, single, grouped, tokens, counts,
-                         PlanInputs(indices, block_table, token_to_req, positions, seq_lens), block_size,
-                         num_blocks, num_q_heads, num_kv_heads, head_dim, kv_cache_dtype, launches, workspace)
+                         PlanInputs(indices, block_table, token_to_req, positions, seq_lens, index_counts),
+                         block_size, num_blocks, num_q_heads, num_kv_heads, head_dim, kv_cache_dtype, launches,
+                         workspace)
     if out is None:
         return plan
     for f in fields(AttentionPlan):  # a caller holding ``out`` runs what was just planned
@@ -331,8 +346,8 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
     """Launch the planned routes. Arguments as in :func:`sparse_paged_attention`.
 
     Forward-only, like :func:`sparse_paged_attention`. The plan must describe its inputs as they are now:
-    an input of the plan (indices, block_table, token_to_req, positions, seq_lens) modified in place by a
-    torch op since :func:`plan_attention` raises a ValueError naming it (plan again, ``out=plan``).
+    an input of the plan (indices, block_table, token_to_req, positions, seq_lens, index_counts) modified in
+    place by a torch op since :func:`plan_attention` raises a ValueError naming it (plan again, ``out=plan``).
 
     With ``settings.REPLAY_STEPS`` on a GPU, the first run of a plan with one layout of activations
     (shapes, strides, dtypes, scales) records its launches, and later runs with that layout replay them
@@ -437,7 +452,7 @@ def _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_sca
 
         attn, ref_lse = reference_attention(q, k_cache, v_cache, *inputs.as_tuple(), kv_cache_dtype=kv_cache_dtype,
                                             k_scale=k_scale, v_scale=v_scale, softmax_scale=scale,
-                                            compute_dtype=torch.float32)
+                                            compute_dtype=torch.float32, index_counts=inputs.index_counts)
         attn = attn.to(q.dtype)
         if gate is not None:  # docs/spec.md section 1: round to the activation dtype, then gate in fp32
             attn = (attn.float() * torch.sigmoid(gate.float())).to(q.dtype)
@@ -445,7 +460,8 @@ def _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_sca
         if lse is not None:
             lse.copy_(ref_lse.float())
     elif choice.route == "invariant":
-        invariant.invariant_attention(q, k_cache, v_cache, *inputs.as_tuple(), launch=launches.invariant, **kw)
+        invariant.invariant_attention(q, k_cache, v_cache, *inputs.as_tuple(), launch=launches.invariant,
+                                      index_counts=inputs.index_counts, **kw)
     elif choice.route == "splitk":
         splitk.splitk_attention(q, k_cache, v_cache, plan.tokens, plan.token_counts, inputs.block_table,
                                 inputs.token_to_req, block_size=block_size, launch=launches.splitk, **kw)
@@ -454,7 +470,7 @@ def _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_sca
             grouped.grouped_attention(q, k_cache, v_cache, plan.grouped, launch=launches.grouped, **kw)
         if choice.direct:
             xqa.xqa_direct_attention(q, k_cache, v_cache, *inputs.as_tuple(), row_start=choice.grouped_rows,
-                                     launch=launches.direct, **kw)
+                                     launch=launches.direct, index_counts=inputs.index_counts, **kw)
         elif plan.single is not None:
             xqa.xqa_attention(q, k_cache, v_cache, plan.single, row_start=choice.grouped_rows,
                               index_width=inputs.indices.shape[1], launch=launches.xqa, **kw)
@@ -464,7 +480,7 @@ def _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_sca
 def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, *,
                            gate=None, kv_cache_dtype: str = "auto", k_scale=1.0, v_scale=1.0,
                            softmax_scale=None, out=None, return_lse: bool = False, route: str = "auto",
-                           max_query_len: int | None = None, rows_sorted: bool = False):
+                           max_query_len: int | None = None, rows_sorted: bool = False, index_counts=None):
     """Sparse attention of each row over its selected tokens of a paged KV cache.
 
     Row ``r`` attends the set ``T_r = {t in indices[r] : t >= 0, t < seq_lens[req], t <= positions[r],
@@ -483,7 +499,7 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]`` (views of an interleaved
             ``[num_blocks, 2, block_size, Hkv, D]`` tensor allowed); q's dtype, or uint8 /
             float8_e4m3fn with ``kv_cache_dtype="fp8_e4m3"``.
-        indices: ``[rows, W]`` int32 logical token indices.
+        indices: ``[rows, W]`` int32 logical token indices (any row stride, contiguous along W).
         block_table: ``[num_reqs, max_blocks]`` int32 logical -> physical block (-1 = none).
         token_to_req: ``[rows]`` int32/int64 request of each row.
         positions: ``[rows]`` int64 logical position of each row (-1 = padding row).
@@ -505,6 +521,11 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
             (as ``select_tokens`` emits them): small xqa batches then skip the plan launch. Changes
             which kernel runs, and no bit of a row of whole 4-token blocks and a tail all of whose tokens
             are kept.
+        index_counts: optional ``[rows]`` int32, any stride: row ``r`` is only its first
+            ``min(max(index_counts[r], 0), W)`` entries of ``indices`` (vLLM's ``[rows, W + 1]`` buffer
+            served with no copy: ``indices = buf[:, :W]``, ``index_counts = buf[:, W]``). No kernel reads an
+            entry past a row's count, whatever it holds; the row gets the bits it would get with -1 there,
+            on every route. None (default): every row is all ``W`` entries.
 
     Returns:
         ``out`` (q's dtype), or ``(out, lse)`` with ``return_lse``.
@@ -533,7 +554,7 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
                    out is None, stream, replay.tensor_key(q), replay.tensor_key(k_cache), replay.tensor_key(v_cache),
                    replay.tensor_key(indices), replay.tensor_key(block_table), replay.tensor_key(token_to_req),
                    replay.tensor_key(positions), replay.tensor_key(seq_lens), replay.tensor_key(gate),
-                   replay.tensor_key(out))
+                   replay.tensor_key(out), replay.tensor_key(index_counts))
         except (AttributeError, TypeError):
             key = None
         if key is not None:
@@ -543,26 +564,26 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
                 o, lse = _outputs(q, out, return_lse)
                 if entry(dict(q=q, k_cache=k_cache, v_cache=v_cache, indices=indices, block_table=block_table,
                               token_to_req=token_to_req, positions=positions, seq_lens=seq_lens, gate=gate,
-                              out=o, lse=lse), stream):
+                              out=o, lse=lse, index_counts=index_counts), stream):
                     return (o, lse) if return_lse else o
             elif entry is _STEPS:
                 inputs = (key, device)
     if inputs is None:
         return _plan_and_run(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, gate,
                              kv_cache_dtype, k_scale, v_scale, softmax_scale, out, return_lse, route, max_query_len,
-                             rows_sorted)
+                             rows_sorted, index_counts)
     key, device = inputs
     with replay.Recorder() as rec:
         plan, result = _plan_and_run(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens,
                                      gate, kv_cache_dtype, k_scale, v_scale, softmax_scale, out, return_lse, route,
-                                     max_query_len, rows_sorted, with_plan=True)
+                                     max_query_len, rows_sorted, index_counts, with_plan=True)
     o, lse = result if return_lse else (result, None)
     step = None
     if plan.routes.route != "reference":
         try:
             step = replay.Replay(rec, dict(q=q, k_cache=k_cache, v_cache=v_cache, indices=indices,
                                            block_table=block_table, token_to_req=token_to_req, positions=positions,
-                                           seq_lens=seq_lens, gate=gate, out=o, lse=lse),
+                                           seq_lens=seq_lens, gate=gate, out=o, lse=lse, index_counts=index_counts),
                                  replay.tensors_of(plan, []),
                                  cuda=device.type == "cuda" and not replay.backend.interpreter_enabled(),
                                  device_index=device.index or 0)
@@ -578,7 +599,7 @@ _STEPS = replay.ReplayCache()
 
 def _plan_and_run(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, gate, kv_cache_dtype,
                   k_scale, v_scale, softmax_scale, out, return_lse, route, max_query_len, rows_sorted,
-                  with_plan: bool = False):
+                  index_counts=None, with_plan: bool = False):
     """sparse_paged_attention's full path: every check, a new plan, its launches (and the plan, with
     ``with_plan``)."""
     num_blocks, block_size, hkv = _check_attention_args(q, k_cache, v_cache, gate, out, kv_cache_dtype)
@@ -587,13 +608,13 @@ def _plan_and_run(q, k_cache, v_cache, indices, block_table, token_to_req, posit
     if indices.shape[0] != q.shape[0]:
         raise ValueError(f"indices must have {q.shape[0]} rows (q's rows), got {indices.shape[0]}")
     for name, t in (("indices", indices), ("block_table", block_table), ("token_to_req", token_to_req),
-                    ("positions", positions), ("seq_lens", seq_lens)):
+                    ("positions", positions), ("seq_lens", seq_lens), ("index_counts", index_counts)):
         if isinstance(t, torch.Tensor) and not same_device(t.device, q.device):
             raise ValueError(f"{name} must be on {q.device}, got {t.device}")
     plan = plan_attention(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
                           num_blocks=num_blocks, num_q_heads=q.shape[1], num_kv_heads=hkv,
                           head_dim=q.shape[2], route=route, max_query_len=max_query_len,
-                          rows_sorted=rows_sorted, kv_cache_dtype=kv_cache_dtype)
+                          rows_sorted=rows_sorted, kv_cache_dtype=kv_cache_dtype, index_counts=index_counts)
     result = _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_scale, softmax_scale, out,
                           return_lse, plan_checked=True)
     return (plan, result) if with_plan else result

@@ -519,6 +519,19 @@ def row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs):
 
 
 @triton.jit
+def row_width(count_ptr, i_r, stride_count, W, HAS_COUNTS: tl.constexpr):
+    """How many leading entries of row ``i_r`` of ``indices`` a kernel may read: all ``W``, or with
+    ``HAS_COUNTS`` the row's ``index_counts`` entry clamped to ``[0, W]`` (docs/spec.md section 4). Every
+    load of an index is masked by it, so an entry past the count is never read; it acts as a -1 would.
+    Without ``HAS_COUNTS`` this is ``W`` itself and the kernel compiles as it did without counts."""
+    if HAS_COUNTS:
+        n = tl.load(count_ptr + i_r * stride_count)
+        return tl.minimum(tl.maximum(n, 0), W)
+    else:
+        return W
+
+
+@triton.jit
 def table_safe(b_t, pos, row_ok, max_blocks, BLOCK_SIZE: tl.constexpr):
     """The checks of docs/spec.md section 4 that need neither ``seq_len`` nor the table: a valid row, 0 <= t <=
     pos, t's block inside the table. Only ``t < seq_len`` is left, whose load waits on the request's: so
@@ -555,7 +568,7 @@ def direct_row_list(
     p_scratch,  # the row's scratch row: [>= BLOCK_W] int32
     pos,
     row_ok,
-    W,
+    W,  # entries of the row that may be read (``row_width``: the index width, or the row's count)
     max_blocks,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_W: tl.constexpr,  # power of two >= W
@@ -569,7 +582,8 @@ def direct_row_list(
     it: tokens strictly ascending, dropped entries only at the end) is its own list of length W: nothing
     is written. Any other row is sorted, its duplicates dropped, and its tokens written to the row's
     scratch row (every program of the row writes the same values there), a list of their count. Both
-    give the same entries at the same positions for the same token set.
+    give the same entries at the same positions for the same token set. Entries at ``W`` and past it
+    are never read (a row with ``index_counts`` passes its count as ``W``): they count as -1 would.
     """
     o_w = tl.arange(0, BLOCK_W)
     b_t = tl.load(p_idx + o_w, mask=o_w < W, other=-1)

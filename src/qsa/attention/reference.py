@@ -89,7 +89,7 @@ def _lse_dtype(compute_dtype):
 
 def reference_attention(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, *,
                         gate=None, kv_cache_dtype="auto", k_scale=1.0, v_scale=1.0, softmax_scale=None,
-                        compute_dtype=torch.float64):
+                        compute_dtype=torch.float64, index_counts=None):
     """Sparse paged attention over token sets, one row at a time (docs/spec.md section 4).
 
     Row ``r`` attends the set ``T_r`` of distinct tokens ``t`` of ``indices[r]`` with ``t >= 0``,
@@ -108,6 +108,8 @@ def reference_attention(q, k_cache, v_cache, indices, block_table, token_to_req,
         softmax_scale: default ``D ** -0.5``.
         compute_dtype: float64 (ground truth, fp64 out) or the activation dtype (fp16/bf16: scores,
             softmax and P@V in that dtype, then the gate rule of docs/spec.md section 1), or float32.
+        index_counts: optional ``[rows]`` int32/int64 (any stride): row ``r`` is only its first
+            ``min(max(index_counts[r], 0), W)`` entries of ``indices``; the others are ignored.
 
     Returns:
         ``(out, lse)``: ``out [rows, Hq, D]`` in ``compute_dtype``; ``lse [rows, Hq]`` natural-log
@@ -116,6 +118,8 @@ def reference_attention(q, k_cache, v_cache, indices, block_table, token_to_req,
     _check_inputs(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, gate,
                   kv_cache_dtype)
     rows, num_q_heads, head_dim = q.shape
+    if index_counts is not None:
+        check_tensor("index_counts", index_counts, ndim=1, dtypes=INDEX_DTYPES, shape=(rows,), what="[rows]")
     num_blocks, block_size, num_kv_heads, _ = k_cache.shape
     group = num_q_heads // num_kv_heads
     scale = head_dim ** -0.5 if softmax_scale is None else float(softmax_scale)
@@ -124,6 +128,8 @@ def reference_attention(q, k_cache, v_cache, indices, block_table, token_to_req,
     out = torch.zeros(rows, num_q_heads, head_dim, dtype=compute_dtype, device=q.device)
     lse = torch.full((rows, num_q_heads), -math.inf, dtype=_lse_dtype(compute_dtype), device=q.device)
     idx, t2r = indices.tolist(), token_to_req.tolist()
+    if index_counts is not None:  # docs/spec.md section 4: a row is its first count entries, clamped to [0, W]
+        idx = [row[:min(max(n, 0), len(row))] for row, n in zip(idx, index_counts.tolist())]
     pos, lens, table = positions.tolist(), seq_lens.tolist(), block_table.tolist()
     for r in range(rows):
         tokens = kept_tokens(idx[r], t2r[r], pos[r], lens, table, block_size, num_blocks)

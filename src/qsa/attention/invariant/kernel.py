@@ -11,7 +11,7 @@ import triton
 import triton.language as tl
 
 from ..kernels import (attend_kv_tokens, direct_row_list, enter_launch, list_entries, load_query, row_setup,
-                       store_accumulator, store_output, store_partials, zero_accumulator)
+                       row_width, store_accumulator, store_output, store_partials, zero_accumulator)
 
 
 @triton.jit
@@ -49,6 +49,7 @@ def invariant_attention_kernel(
     pos_ptr,  # [rows] int64
     seq_lens_ptr,  # [num_reqs] int32
     scratch_ptr,  # [rows, >= BLOCK_W] int32 (lists of rows not in ascending order)
+    idx_count_ptr,  # [rows] int32 index_counts with HAS_COUNTS; else None (no parameter)
     gate_ptr,  # [rows, Hq, D] or unused
     out_ptr,  # [rows, Hq, D]
     lse_ptr,  # [rows, Hq] fp32 or unused
@@ -77,6 +78,7 @@ def invariant_attention_kernel(
     stride_g_row,
     stride_g_head,
     stride_lse_row,
+    stride_idx_count,  # index_counts row stride with HAS_COUNTS; else None
     G: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # power of two >= max(G, 16)
     BLOCK_N: tl.constexpr,  # tokens per K/V tile
@@ -93,13 +95,16 @@ def invariant_attention_kernel(
     HAS_GATE: tl.constexpr,
     RETURN_LSE: tl.constexpr,
     HALVES: tl.constexpr = False,  # scores over the head's column halves (attend_tile_halves)
+    HAS_COUNTS: tl.constexpr = False,  # a row reads only its first index_counts entries (row_width)
     PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """Each program reads its row's list from ``indices`` (the row itself when it ascends, else its tokens
     sorted into the row's scratch row, as ``xqa_direct_kernel`` does) and gathers K/V token by token
     through the block table, dropping what the row does not keep. A list's tiles sit at positions fixed by
     the list alone, and the split geometry (``BLOCK_N``, ``SPLIT_TILES``) and the tile's layout
-    (``BLOCK_G``, the warps, ``HALVES``) by the shape alone."""
+    (``BLOCK_G``, the warps, ``HALVES``) by the shape alone. The row is its first ``n_w`` entries
+    (``row_width``: ``W``, or its count with ``HAS_COUNTS``), none past them read: a count changes the bits
+    no more than a narrower ``indices`` would, that is not at all."""
     enter_launch(PDL)
     i_r = tl.program_id(0).to(tl.int64)
     i_kvh = tl.program_id(1).to(tl.int64)
@@ -114,12 +119,13 @@ def invariant_attention_kernel(
     b_q0, b_q1 = load_query(q_ptr + i_r * stride_q_row + o_head[:, None] * stride_q_head, m_row, HEAD_DIM, HALVES,
                             DOT_DTYPE)
     p_row = idx_ptr + i_r * stride_idx_row
+    n_w = row_width(idx_count_ptr, i_r, stride_idx_count, W, HAS_COUNTS)
     o_n = tl.arange(0, BLOCK_N)
     b_m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     b_l = tl.zeros([BLOCK_G], tl.float32)
     b_acc0, b_acc1 = zero_accumulator(BLOCK_G, HEAD_DIM, HALVES)
     if FOLD:
-        p_list, n_list, _ = direct_row_list(p_row, scratch_ptr + i_r * stride_scratch_row, pos, row_ok, W,
+        p_list, n_list, _ = direct_row_list(p_row, scratch_ptr + i_r * stride_scratch_row, pos, row_ok, n_w,
                                              max_blocks, BLOCK_SIZE, BLOCK_W)
         n_tiles = tl.cdiv(n_list, BLOCK_N)
         # The split being attended, from a fresh online softmax; folded into (b_m, b_l, b_acc) at its last tile.
@@ -156,9 +162,9 @@ def invariant_attention_kernel(
         # checked, again from the sorted list if it does not ascend); each tile takes its own from registers.
         start = i_split * SPLIT_TILES
         o_s = start * BLOCK_N + tl.arange(0, SPLIT_N)
-        n_split = tl.minimum(W, (start + SPLIT_TILES) * BLOCK_N)
+        n_split = tl.minimum(n_w, (start + SPLIT_TILES) * BLOCK_N)
         b_ts, b_ps = list_entries(p_row, o_s, n_split, p_bt, pos, seq_len, row_ok, max_blocks, BLOCK_SIZE)
-        p_list, n_list, ascending = direct_row_list(p_row, scratch_ptr + i_r * stride_scratch_row, pos, row_ok, W,
+        p_list, n_list, ascending = direct_row_list(p_row, scratch_ptr + i_r * stride_scratch_row, pos, row_ok, n_w,
                                                      max_blocks, BLOCK_SIZE, BLOCK_W)
         if not ascending:
             b_ts, b_ps = list_entries(p_list, o_s, tl.minimum(n_list, (start + SPLIT_TILES) * BLOCK_N), p_bt, pos,

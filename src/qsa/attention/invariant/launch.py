@@ -16,6 +16,7 @@ from ... import settings
 from ...utils import launch_options, next_pow2
 from ..launch import (direct_tiles, dot_dtype, kernel_args, partials, row_scratch, same_kv_strides, score_halves,
                       scores_scale)
+from ..planning.plan import count_args
 from ..replay import launch as launch_kernel
 
 
@@ -86,13 +87,13 @@ def plan_launch(*, rows: int, index_width: int, num_q_heads: int, num_kv_heads: 
 def invariant_attention(q, k, v, indices, block_table, token_to_req, positions, seq_lens, *, out, lse, gate,
                         softmax_scale, k_scale, v_scale, kv_fp8: bool, config: settings.InvariantConfig | None = None,
                         fold: bool | None = None, scratch: torch.Tensor | None = None,
-                        launch: InvariantLaunch | None = None) -> None:
+                        launch: InvariantLaunch | None = None, index_counts: torch.Tensor | None = None) -> None:
     """All rows of ``out`` (and ``lse``) on the batch-invariant route, straight from ``indices``, as
     ``launch`` (from :func:`plan_launch`) says; decided here when it is None.
 
     ``fold`` (default :func:`invariant_folds`) picks one program per row and KV head that folds
     the row's splits itself, or one per split and a merge launch; the two give the same bits, so the
-    choice, made from the batch's size, changes none. ``scratch`` as in
+    choice, made from the batch's size, changes none. ``scratch`` and ``index_counts`` as in
     :func:`qsa.attention.xqa.launch.xqa_direct_attention`."""
     from .kernel import invariant_attention_kernel, invariant_merge_kernel
 
@@ -111,13 +112,15 @@ def invariant_attention(q, k, v, indices, block_table, token_to_req, positions, 
     scratch = launch.scratch if scratch is None else row_scratch(scratch, rows, block_w, q.device)
     part_acc, part_ml = (out, out) if fold else launch.partials
     block_g = max(16, next_pow2(G))
+    has_counts, idx_counts, stride_counts = count_args(index_counts)
     shared = dict(G=G, BLOCK_G=block_g, NUM_SPLITS=splits, HEAD_DIM=d, HAS_GATE=gate is not None,
                   RETURN_LSE=lse is not None)
     launch_kernel(invariant_attention_kernel, (rows, hkv, 1 if fold else splits),
-        q, k, v, indices, block_table, token_to_req, positions, seq_lens, scratch, g, out, lse_t, part_acc, part_ml,
-        width, block_table.shape[0], block_table.shape[1], k.shape[0], hq, qk_scale, float(v_scale),
+        q, k, v, indices, block_table, token_to_req, positions, seq_lens, scratch, idx_counts, g, out, lse_t, part_acc,
+        part_ml, width, block_table.shape[0], block_table.shape[1], k.shape[0], hq, qk_scale, float(v_scale),
         stride_idx_row=indices.stride(0), stride_scratch_row=scratch.stride(0), stride_bt=block_table.stride(0),
-        **strides, **shared, BLOCK_N=cfg.tile_tokens, BLOCK_W=block_w, SPLIT_TILES=cfg.split_tiles,
+        stride_idx_count=stride_counts, **strides, **shared, HAS_COUNTS=has_counts,
+        BLOCK_N=cfg.tile_tokens, BLOCK_W=block_w, SPLIT_TILES=cfg.split_tiles,
         SPLIT_N=next_pow2(cfg.split_tiles * cfg.tile_tokens), FOLD=fold,
         BLOCK_SIZE=k.shape[1], KV_FP8=kv_fp8, SAME_KV_STRIDES=same_kv_strides(k, v), DOT_DTYPE=dot_dtype(q),
         HALVES=score_halves(cfg, d), num_warps=cfg.num_warps, num_stages=cfg.num_stages,

@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 from ... import settings
-from ..kernels import INT32_MAX, enter_launch, row_setup
+from ..kernels import INT32_MAX, enter_launch, row_setup, row_width
 
 
 @triton.jit
@@ -208,6 +208,7 @@ def single_row_plan_kernel(
     unsorted_ptr,  # [rows] int32 out: rows left to single_row_sort_plan_kernel
     num_unsorted_ptr,  # [1] int32, zero on entry
     keys_ptr,  # [rows - row_start, SORT_W] int32 scratch with SORT_W
+    idx_count_ptr,  # [rows] int32 index_counts with HAS_COUNTS; else None (no parameter)
     row_start,  # program i plans row row_start + i
     W,
     num_reqs,
@@ -217,6 +218,7 @@ def single_row_plan_kernel(
     stride_bt_req,
     stride_ids_row,
     stride_masks_row,
+    stride_idx_count,  # index_counts row stride with HAS_COUNTS; else None
     BLOCK_SIZE: tl.constexpr,
     CH: tl.constexpr,  # tokens per step
     PAD: tl.constexpr,
@@ -224,6 +226,7 @@ def single_row_plan_kernel(
     ONE_CHUNK: tl.constexpr,  # CH >= W: sort a row found out of order here, in registers
     ASCENDING_STEPS: tl.constexpr = False,  # several steps, microblocks: the scan-free path of ascending rows
     SORT_W: tl.constexpr = 0,  # with ASCENDING_STEPS: a row out of order is sorted here (power of two >= W)
+    HAS_COUNTS: tl.constexpr = False,  # a row reads only its first index_counts entries (row_width)
     PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """One row whose kept tokens already ascend (as select_tokens emits them): one streaming pass.
@@ -234,10 +237,14 @@ def single_row_plan_kernel(
     microblock list of strictly ascending kept tokens (dropped entries last) is emitted by
     ``_ascending_step`` without scans: in one step, or with ``ASCENDING_STEPS`` in several, where a
     step found out of order hands the row on (the steps it already emitted are rewritten).
+
+    The row is its first ``n_w`` entries (``row_width``: ``W``, or its count with ``HAS_COUNTS``); none
+    past them is read.
     """
     enter_launch(PDL)
     i_r = tl.program_id(0).to(tl.int64) + row_start
     req, pos, seq_len, row_ok = row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs)
+    n_w = row_width(idx_count_ptr, i_r, stride_idx_count, W, HAS_COUNTS)
     p_idx = idx_ptr + i_r * stride_idx_row
     p_ids = ids_ptr + i_r * stride_ids_row
     p_masks = masks_ptr + i_r * stride_masks_row
@@ -245,14 +252,14 @@ def single_row_plan_kernel(
     if ONE_CHUNK:
         ascending = False
         if not EMIT_TOKENS:  # token lists stay on the gather path: they measured slower on this one
-            ascending, count, first_id = _ascending_step(p_idx, o_c, W, req, pos, seq_len, row_ok, bt_ptr,
+            ascending, count, first_id = _ascending_step(p_idx, o_c, n_w, req, pos, seq_len, row_ok, bt_ptr,
                                                          stride_bt_req, max_blocks, num_blocks, p_ids, p_masks,
                                                          tl.zeros([], tl.int32), tl.zeros([], tl.int32), BLOCK_SIZE)
             if ascending:
                 tl.store(counts_ptr + i_r, count)
                 _pad_row(count, first_id, p_ids, p_masks, PAD)
         if not ascending:
-            b_key, b_phys = _kept_keys(p_idx, o_c, W, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req,
+            b_key, b_phys = _kept_keys(p_idx, o_c, n_w, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req,
                                        max_blocks, num_blocks, BLOCK_SIZE)
             b_prev = tl.gather(b_key, tl.maximum(o_c - 1, 0), 0)
             if tl.min((b_prev <= b_key).to(tl.int32), 0) == 0:
@@ -265,10 +272,10 @@ def single_row_plan_kernel(
     elif ASCENDING_STEPS and not EMIT_TOKENS:
         count = tl.zeros([], tl.int32)
         first_id = tl.zeros([], tl.int32)
-        ordered = W >= 0
+        ordered = n_w >= 0
         c = 0
-        while (c < W) & ordered:
-            ordered, count, first_id = _ascending_step(p_idx, c + o_c, W, req, pos, seq_len, row_ok, bt_ptr,
+        while (c < n_w) & ordered:
+            ordered, count, first_id = _ascending_step(p_idx, c + o_c, n_w, req, pos, seq_len, row_ok, bt_ptr,
                                                        stride_bt_req, max_blocks, num_blocks, p_ids, p_masks, count,
                                                        first_id, BLOCK_SIZE)
             c += CH
@@ -276,21 +283,21 @@ def single_row_plan_kernel(
             tl.store(counts_ptr + i_r, count)
             _pad_row(count, first_id, p_ids, p_masks, PAD)
         elif SORT_W > 0:  # the entries the steps stored are rewritten after the sort's barrier
-            _sort_and_emit(p_idx, keys_ptr + (i_r - row_start) * SORT_W, W, req, pos, seq_len, row_ok, bt_ptr,
+            _sort_and_emit(p_idx, keys_ptr + (i_r - row_start) * SORT_W, n_w, req, pos, seq_len, row_ok, bt_ptr,
                            stride_bt_req, max_blocks, num_blocks, p_ids, p_masks, counts_ptr, i_r, BLOCK_SIZE,
                            SORT_W, CH, PAD, EMIT_TOKENS)
         else:
             tl.store(unsorted_ptr + tl.atomic_add(num_unsorted_ptr, 1), i_r.to(tl.int32))
     else:
-        b_key, b_phys = _kept_keys(p_idx, o_c, W, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req, max_blocks,
+        b_key, b_phys = _kept_keys(p_idx, o_c, n_w, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req, max_blocks,
                                    num_blocks, BLOCK_SIZE)
         prev_key = -1
         carry = 0
         count = 0
-        ordered = W >= 0
+        ordered = n_w >= 0
         c = 0
-        while (c < W) & ordered:
-            b_key_next, b_phys_next = _kept_keys(p_idx, c + CH + o_c, W, req, pos, seq_len, row_ok, bt_ptr,
+        while (c < n_w) & ordered:
+            b_key_next, b_phys_next = _kept_keys(p_idx, c + CH + o_c, n_w, req, pos, seq_len, row_ok, bt_ptr,
                                                  stride_bt_req, max_blocks, num_blocks, BLOCK_SIZE)
             b_prev = tl.gather(b_key, tl.maximum(o_c - 1, 0), 0)
             b_prev = tl.where(o_c == 0, prev_key, b_prev)
@@ -322,6 +329,7 @@ def single_row_sort_plan_kernel(
     unsorted_ptr,  # [rows] int32 rows to do
     num_unsorted_ptr,  # [1] int32
     keys_ptr,  # [programs, BLOCK_W] int32 scratch
+    idx_count_ptr,  # [rows] int32 index_counts with HAS_COUNTS; else None (no parameter)
     num_programs,
     W,
     num_reqs,
@@ -331,11 +339,13 @@ def single_row_sort_plan_kernel(
     stride_bt_req,
     stride_ids_row,
     stride_masks_row,
+    stride_idx_count,  # index_counts row stride with HAS_COUNTS; else None
     BLOCK_SIZE: tl.constexpr,
     BLOCK_W: tl.constexpr,  # power of two >= W
     CH: tl.constexpr,
     PAD: tl.constexpr,
     EMIT_TOKENS: tl.constexpr,
+    HAS_COUNTS: tl.constexpr = False,  # a row reads only its first index_counts entries (row_width)
     PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """Rows whose indices are not in ascending order: sort the kept tokens, then stream as above."""
@@ -347,7 +357,8 @@ def single_row_sort_plan_kernel(
     while i < n:
         i_r = tl.load(unsorted_ptr + i).to(tl.int64)
         req, pos, seq_len, row_ok = row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs)
-        _sort_and_emit(idx_ptr + i_r * stride_idx_row, p_keys, W, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req,
+        n_w = row_width(idx_count_ptr, i_r, stride_idx_count, W, HAS_COUNTS)
+        _sort_and_emit(idx_ptr + i_r * stride_idx_row, p_keys, n_w, req, pos, seq_len, row_ok, bt_ptr, stride_bt_req,
                        max_blocks, num_blocks, ids_ptr + i_r * stride_ids_row, masks_ptr + i_r * stride_masks_row,
                        counts_ptr, i_r, BLOCK_SIZE, BLOCK_W, CH, PAD, EMIT_TOKENS)
         tl.debug_barrier()
@@ -512,8 +523,23 @@ def _row_limits(b_pos, b_mine, seq_len, max_blocks, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
+def _group_widths(count_ptr, row0, o_q, stride_count, W, num_rows, GROUP_ROWS: tl.constexpr,
+                  HAS_COUNTS: tl.constexpr):
+    """Entries of each row of the group starting at ``row0`` that may be read (``row_width`` for a group):
+    ``W``, or with ``HAS_COUNTS`` each row's ``index_counts`` entry clamped to ``[0, W]``, as
+    ``[BLOCK_Q, 1]``."""
+    if HAS_COUNTS:
+        m_q = (o_q < GROUP_ROWS) & (row0 + o_q < num_rows)
+        n = tl.load(count_ptr + (row0 + o_q) * stride_count, mask=m_q, other=0)
+        return tl.minimum(tl.maximum(n, 0), W)[:, None]
+    else:
+        return W
+
+
+@triton.jit
 def _load_quads(p_r, c, o_c, m_r, W):
-    """The four columns of the index quads starting at columns ``c + o_c`` (-1 past ``W``)."""
+    """The four columns of the index quads starting at columns ``c + o_c`` (-1 at and past ``W``, a
+    scalar or each row's width ``[BLOCK_Q, 1]``)."""
     o_n = c + o_c
     n0 = tl.load(p_r + c, mask=m_r & (o_n < W), other=-1)
     n1 = tl.load(p_r + c + 1, mask=m_r & (o_n + 1 < W), other=-1)
@@ -523,24 +549,25 @@ def _load_quads(p_r, c, o_c, m_r, W):
 
 
 @triton.jit
-def _bits_pass(p_idx, o_q, o_a, b_pos, b_mine, seq_len, max_blocks, W, XCAP, p_bits, p_sec, p_bt, num_blocks,
+def _bits_pass(p_idx, o_q, o_a, b_pos, b_mine, seq_len, max_blocks, W, n_w, XCAP, p_bits, p_sec, p_bt, num_blocks,
                p_map, base, flag_off, BLOCK_Q: tl.constexpr, QUADS: tl.constexpr, BLOCK_SIZE: tl.constexpr,
                SUMMARY: tl.constexpr, LATE_TABLE: tl.constexpr, MAP: tl.constexpr,
                SHARED: tl.constexpr):
     """Phase 1 of the grouped planners: the bits of every kept token of the rows ``b_mine`` of one request
     (``_or_quads`` into the scratch bitmap, or with ``MAP`` ``_or_quads_map`` into the byte map), QUADS
-    quads a row per step, the next step's indices in flight. Returns the lowest and highest logical
-    microblock touched (XCAP, -1: none)."""
+    quads a row per step, the next step's indices in flight; a row's entries at and past its width ``n_w``
+    (``_group_widths``) are never read. Returns the lowest and highest logical microblock touched (XCAP,
+    -1: none)."""
     STEP: tl.constexpr = 4 * QUADS
     o_c = 4 * o_a[None, :]  # [1, QUADS]: first column of each quad
     m_r, u_last = _row_limits(b_pos, b_mine, seq_len, max_blocks, BLOCK_SIZE)
     p_r = p_idx + o_c
-    n0, n1, n2, n3 = _load_quads(p_r, 0, o_c, m_r, W)
+    n0, n1, n2, n3 = _load_quads(p_r, 0, o_c, m_r, n_w)
     b_lo = tl.full([BLOCK_Q, QUADS], XCAP, tl.int32)
     b_hi = tl.full([BLOCK_Q, QUADS], -1, tl.int32)
     for c in range(0, W, STEP):
         t0, t1, t2, t3 = n0, n1, n2, n3
-        n0, n1, n2, n3 = _load_quads(p_r, c + STEP, o_c, m_r, W)
+        n0, n1, n2, n3 = _load_quads(p_r, c + STEP, o_c, m_r, n_w)
         k0 = t0.to(tl.uint32) <= u_last
         k1 = t1.to(tl.uint32) <= u_last
         k2 = t2.to(tl.uint32) <= u_last
@@ -579,6 +606,7 @@ def grouped_plan_kernel(
     g_masks_ptr,  # [groups, cap_g] int32 out: bit 4q + t % 4
     g_counts_ptr,  # [groups] int32 out
     bits_ptr,  # [programs, stride_bits] int32 scratch, all zero between groups (see SUMMARY)
+    idx_count_ptr,  # [rows] int32 index_counts with HAS_COUNTS; else None (no parameter)
     W,
     num_rows,
     num_groups,
@@ -592,6 +620,7 @@ def grouped_plan_kernel(
     stride_bt_req,
     stride_g_ids,
     stride_g_masks,
+    stride_idx_count,  # index_counts row stride with HAS_COUNTS; else None
     GROUP_ROWS: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # power of two >= GROUP_ROWS
     BLOCK_SIZE: tl.constexpr,
@@ -604,6 +633,7 @@ def grouped_plan_kernel(
     PTX: tl.constexpr = False,  # the scans' scattered loads and stores as inline PTX (GPU only: _store_i32)
     LATE_TABLE: tl.constexpr = False,  # the bitmap pass sets bits of logically kept tokens;
     # the scan drops microblocks whose block-table entry is invalid (one entry serves a whole microblock)
+    HAS_COUNTS: tl.constexpr = False,  # each row reads only its first index_counts entries (_group_widths)
     PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """Union of each group's rows by (request, logical microblock), emitted in ascending logical order.
@@ -643,6 +673,7 @@ def grouped_plan_kernel(
         p_gids = g_ids_ptr + g.to(tl.int64) * stride_g_ids
         p_gmasks = g_masks_ptr + g.to(tl.int64) * stride_g_masks
         p_idx = idx_ptr + (row0 + o_q[:, None]) * stride_idx_row
+        n_w = _group_widths(idx_count_ptr, row0, o_q, stride_idx_count, W, num_rows, GROUP_ROWS, HAS_COUNTS)
         count = 0
         while tl.max(b_pending.to(tl.int32), 0) > 0:
             # The request of the first pending row, and all pending rows of it.
@@ -651,8 +682,8 @@ def grouped_plan_kernel(
             p_bt = bt_ptr + req * stride_bt_req
 
             # Phase 1: set the bits of every kept token of the request's rows (next step's indices in flight).
-            b_lo, x_hi = _bits_pass(p_idx, o_q, o_a, b_pos, b_mine, seq_len, max_blocks, W, XCAP, p_bits, p_sec, p_bt,
-                                    num_blocks, p_bits, 0, 0, BLOCK_Q, QUADS, BLOCK_SIZE, SUMMARY, LATE_TABLE,
+            b_lo, x_hi = _bits_pass(p_idx, o_q, o_a, b_pos, b_mine, seq_len, max_blocks, W, n_w, XCAP, p_bits, p_sec,
+                                    p_bt, num_blocks, p_bits, 0, 0, BLOCK_Q, QUADS, BLOCK_SIZE, SUMMARY, LATE_TABLE,
                                     False, False)
             # The scanned range, widened to whole 8-word sectors (the scratch is zero past the touched words).
             x_lo = b_lo // 8 * 8
@@ -824,6 +855,7 @@ def grouped_plan_map_kernel(
     g_counts_ptr,  # [groups] int32 out
     bits_ptr,  # [programs, stride_bits] int32 scratch: XCAP nibble words, zero between calls, and (not SHARED)
     # the map at map_off (zero between calls but for its list)
+    idx_count_ptr,  # [rows] int32 index_counts with HAS_COUNTS; else None (no parameter)
     W,
     num_rows,
     num_groups,
@@ -840,6 +872,7 @@ def grouped_plan_map_kernel(
     stride_bt_req,
     stride_g_ids,
     stride_g_masks,
+    stride_idx_count,  # index_counts row stride with HAS_COUNTS; else None
     GROUP_ROWS: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # power of two >= GROUP_ROWS
     BLOCK_SIZE: tl.constexpr,
@@ -850,6 +883,7 @@ def grouped_plan_map_kernel(
     PAD: tl.constexpr,
     SHARED: tl.constexpr,  # the map in static shared memory (GPU only; the table's microblocks must fit it)
     PTX: tl.constexpr = False,  # the emission's scattered stores as inline PTX (GPU only)
+    HAS_COUNTS: tl.constexpr = False,  # each row reads only its first index_counts entries (_group_widths)
     PDL: tl.constexpr = 0,
 ):
     """``grouped_plan_kernel``'s union, with the rows' bits gathered in a map of a byte per logical
@@ -893,6 +927,7 @@ def grouped_plan_map_kernel(
         p_gids = g_ids_ptr + g.to(tl.int64) * stride_g_ids
         p_gmasks = g_masks_ptr + g.to(tl.int64) * stride_g_masks
         p_idx = idx_ptr + (row0 + o_q[:, None]) * stride_idx_row
+        n_w = _group_widths(idx_count_ptr, row0, o_q, stride_idx_count, W, num_rows, GROUP_ROWS, HAS_COUNTS)
         count = 0
         while tl.max(b_pending.to(tl.int32), 0) > 0:
             req, b_mine, b_pending = _next_request(b_pending, b_req, o_q, BLOCK_Q)
@@ -900,8 +935,8 @@ def grouped_plan_map_kernel(
             p_bt = bt_ptr + req * stride_bt_req
 
             # Phase 1: the rows' bits into the map (next step's indices in flight).
-            b_lo, x_hi = _bits_pass(p_idx, o_q, o_a, b_pos, b_mine, seq_len, max_blocks, W, XCAP, p_bits, p_bits, p_bt,
-                                    num_blocks, p_map, base, flag_off, BLOCK_Q, QUADS, BLOCK_SIZE,
+            b_lo, x_hi = _bits_pass(p_idx, o_q, o_a, b_pos, b_mine, seq_len, max_blocks, W, n_w, XCAP, p_bits, p_bits,
+                                    p_bt, num_blocks, p_map, base, flag_off, BLOCK_Q, QUADS, BLOCK_SIZE,
                                     False, True, True, SHARED)
             x_lo = b_lo // 32 * 32
             x_end = tl.where(x_hi >= 0, (x_hi // 32 + 1) * 32, 0)

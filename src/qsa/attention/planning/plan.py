@@ -7,7 +7,9 @@ microblock ``t // 4`` of the request's logical space, at mask bit ``t % 4``.
 Row validity (docs/spec.md section 4): row ``r`` with ``req = token_to_req[r]`` is a padding row unless
 ``0 <= req < num_reqs`` and ``positions[r] >= 0``. Token ``t`` of ``indices[r]`` is kept iff
 ``0 <= t < seq_lens[req]``, ``t <= positions[r]``, ``t // block_size < max_blocks`` and
-``0 <= block_table[req, t // block_size] < num_blocks``. Everything else is dropped and never read.
+``0 <= block_table[req, t // block_size] < num_blocks``. Everything else is dropped and never read. With
+``index_counts``, only the first ``min(max(index_counts[r], 0), W)`` entries of ``indices[r]`` are the row's:
+the planners never load the others.
 
 Two plans (see ``docs/planner.md`` for the derivation):
 
@@ -214,7 +216,7 @@ def planner_programs(num_groups: int, device, *, microblocks: int = 0,
 
 
 def check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int,
-                      num_blocks: int) -> None:
+                      num_blocks: int, index_counts=None) -> None:
     """Validate the planner's inputs; raise ValueError/TypeError naming the argument."""
     check_tensor("indices", indices, ndim=2, dtypes=torch.int32, what="[rows, W] int32")
     rows, width = indices.shape
@@ -242,6 +244,27 @@ def check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, *
     for name, t in (("token_to_req", token_to_req), ("positions", positions), ("seq_lens", seq_lens)):
         if t.shape[0] > 1 and t.stride(0) != 1:  # the kernels read element i at offset i
             raise ValueError(f"{name} must be contiguous (stride 1), got stride {t.stride(0)}")
+    check_index_counts(index_counts, rows, dev)
+
+
+def check_index_counts(index_counts, rows: int, device) -> None:
+    """``index_counts`` is None or a ``[rows]`` int32 tensor on ``device`` (any stride: vLLM's is the last
+    column of its ``[rows, W + 1]`` index buffer); raise TypeError/ValueError naming it. Its values are
+    not checked (that would need a host synchronisation): each is clamped to ``[0, W]`` where it is read."""
+    if index_counts is None:
+        return
+    check_tensor("index_counts", index_counts, ndim=1, dtypes=torch.int32, device=device, shape=(rows,),
+                 what="[rows] int32 (each row's count of valid leading indices)")
+
+
+def count_args(index_counts) -> tuple[bool, torch.Tensor | None, int | None]:
+    """``(HAS_COUNTS, idx_count_ptr, stride_idx_count)`` of a kernel that reads ``indices``: the counts and
+    their row stride, or (no counts) None for both. Triton takes a None argument as a constant, so without
+    counts neither is a parameter of the compiled kernel, which is the kernel compiled before the argument
+    existed (``HAS_COUNTS`` False: no count is loaded, every row is ``W`` wide)."""
+    if index_counts is None:
+        return False, None, None
+    return True, index_counts, index_counts.stride(0)
 
 
 def _check_plan_buffers(out, cls, n: int, cap: int, mask_dtype: torch.dtype, device, what: str) -> None:
@@ -261,7 +284,8 @@ def _check_plan_buffers(out, cls, n: int, cap: int, mask_dtype: torch.dtype, dev
 def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int,
                      num_blocks: int, out: SingleRowPlan | None = None, row_start: int = 0,
                      chunk: int | None = None, num_warps: int | None = None,
-                     ascending_steps: bool | None = None, rows_sorted: bool = False) -> SingleRowPlan:
+                     ascending_steps: bool | None = None, rows_sorted: bool = False,
+                     index_counts=None) -> SingleRowPlan:
     """Build the single-row plan of rows ``[row_start, rows)`` (see the module docstring).
 
     Args:
@@ -286,12 +310,15 @@ def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *,
             sorting planner after the row planner (decode-256 plan + xqa 157.3-157.9 -> 155.4-155.9 us
             on the H200), but about 14% slower where every row is out of order (244 -> 279 us). Never
             changes the plan.
+        index_counts: optional ``[rows]`` int32 (any stride): row ``r`` is its first
+            ``min(max(index_counts[r], 0), W)`` entries of ``indices``, the rest never read (the plan is
+            that of the row with -1 in their place). With ``rows_sorted``, those first entries are sorted.
 
     Returns:
         SingleRowPlan on ``indices.device`` with ``rows`` lists.
     """
     check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
-                      num_blocks=num_blocks)
+                      num_blocks=num_blocks, index_counts=index_counts)
     rows, width = indices.shape
     row_start = check_int("row_start", row_start, 0)
     if row_start > rows:
@@ -319,13 +346,15 @@ def plan_single_rows(indices, block_table, token_to_req, positions, seq_lens, *,
     out.block_size, out.num_blocks = block_size, num_blocks
     _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
                out.mb_ids, out.masks, out.counts, emit_tokens=False, row_start=row_start, chunk=chunk,
-               num_warps=num_warps, ascending_steps=ascending_steps, sort_in_row=rows_sorted)
+               num_warps=num_warps, ascending_steps=ascending_steps, sort_in_row=rows_sorted,
+               index_counts=index_counts)
     return out
 
 
 def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int, num_blocks: int,
                 group_rows: int = 8, num_rows: int | None = None, out: GroupedPlan | None = None,
-                workspace: PlanWorkspace | None = None, config: settings.PlannerConfig | None = None) -> GroupedPlan:
+                workspace: PlanWorkspace | None = None, config: settings.PlannerConfig | None = None,
+                index_counts=None) -> GroupedPlan:
     """Build the grouped plan of rows ``[0, num_rows)`` straight from the planner inputs.
 
     Args:
@@ -336,6 +365,8 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
         out: optional plan whose buffers are reused.
         workspace: optional planner scratch (:meth:`PlanWorkspace.for_plan`); allocated when omitted.
         config: launch settings (default :func:`planner_config`).
+        index_counts: optional ``[rows]`` int32 counts of each row's valid leading entries, as for
+            :func:`plan_single_rows`.
 
     Returns:
         GroupedPlan with ``ceil(num_rows / group_rows)`` groups.
@@ -343,7 +374,7 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
     from .kernels import grouped_plan_kernel, grouped_plan_map_kernel
 
     check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
-                      num_blocks=num_blocks)
+                      num_blocks=num_blocks, index_counts=index_counts)
     group_rows = check_int("group_rows", group_rows)
     if not 1 <= group_rows <= MAX_GROUP_ROWS:
         raise ValueError(f"group_rows must be an int in [1, {MAX_GROUP_ROWS}], got {group_rows!r}")
@@ -387,6 +418,7 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
         raise ValueError(f"workspace must cover {microblocks} microblocks on {device}, got "
                          f"{workspace.microblocks} on {workspace.bits.device}")
     programs = min(workspace.programs, num_groups)
+    has_counts, idx_counts, stride_counts = count_args(index_counts)
     ptx = settings.PTX_SCAN and device.type == "cuda" and not interpreter_enabled()
     quads = min(config.quads, max(1, next_pow2(-(-width // 4))))
     if config.max_registers is not None and (not isinstance(config.max_registers, int) or config.max_registers < 24):
@@ -402,13 +434,14 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
         scan = max(32, min(config.scan, 1 << ((4 * settings.MAP_LIST_WORDS).bit_length() - 1), next_pow2(microblocks)))
         launch_kernel(grouped_plan_map_kernel, (programs,),
             indices, block_table, token_to_req, positions, seq_lens,
-            out.mb_ids, out.masks, out.counts, workspace.bits,
+            out.mb_ids, out.masks, out.counts, workspace.bits, idx_counts,
             width, num_rows, num_groups, programs, block_table.shape[0], block_table.shape[1], num_blocks,
             workspace.microblocks, map_scratch_offset(workspace.microblocks), map_mb // 4, map_mb // 4 + map_mb // 32,
             workspace.bits.stride(0), indices.stride(0), block_table.stride(0),
-            out.mb_ids.stride(0), out.masks.stride(0),
+            out.mb_ids.stride(0), out.masks.stride(0), stride_counts,
             GROUP_ROWS=group_rows, BLOCK_Q=next_pow2(group_rows), BLOCK_SIZE=block_size, QUADS=quads,
             SCAN=scan, CH=config.emit, LIST=settings.MAP_LIST_WORDS, PAD=PAD, SHARED=shared, PTX=ptx,
+            HAS_COUNTS=has_counts,
             num_warps=config.num_warps, **launch_options(device),
             **({"maxnreg": config.max_registers} if config.max_registers and shared else {}),
         )
@@ -416,33 +449,35 @@ def plan_groups(indices, block_table, token_to_req, positions, seq_lens, *, bloc
     scan = min(config.scan, max(PAD, next_pow2(microblocks)))
     launch_kernel(grouped_plan_kernel, (programs,),
         indices, block_table, token_to_req, positions, seq_lens,
-        out.mb_ids, out.masks, out.counts, workspace.bits,
+        out.mb_ids, out.masks, out.counts, workspace.bits, idx_counts,
         width, num_rows, num_groups, programs, block_table.shape[0], block_table.shape[1], num_blocks,
         workspace.microblocks, workspace.bits.stride(0), indices.stride(0), block_table.stride(0),
-        out.mb_ids.stride(0), out.masks.stride(0),
+        out.mb_ids.stride(0), out.masks.stride(0), stride_counts,
         GROUP_ROWS=group_rows, BLOCK_Q=next_pow2(group_rows), BLOCK_SIZE=block_size,
         QUADS=quads, SCAN=scan,
         PAD=PAD, SYNC_SCAN=scan < 256 * config.num_warps, SUMMARY=config.summary,
         PTX=ptx,
-        LATE_TABLE=config.late_table,
+        LATE_TABLE=config.late_table, HAS_COUNTS=has_counts,
         num_warps=config.num_warps, **launch_options(device),
     )
     return out
 
 
 def token_lists(indices, block_table, token_to_req, positions, seq_lens, *, block_size: int,
-                num_blocks: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                num_blocks: int, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                index_counts=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's kept tokens, distinct and ascending (the split-K route's work list).
 
     ``out``: a previous ``(tokens, counts)`` of the same shapes, refilled (CUDA-graph capture).
+    ``index_counts``: optional ``[rows]`` int32 counts of each row's valid leading entries, as for
+    :func:`plan_single_rows` (entries past a row's count are never read).
 
     Returns:
         tokens: ``[rows, W]`` int32, entries past the row's count unspecified.
         counts: ``[rows]`` int32.
     """
     check_plan_inputs(indices, block_table, token_to_req, positions, seq_lens, block_size=block_size,
-                      num_blocks=num_blocks)
+                      num_blocks=num_blocks, index_counts=index_counts)
     rows, width = indices.shape
     if out is None:
         tokens = torch.empty((rows, max(width, 1)), dtype=torch.int32, device=indices.device)
@@ -456,7 +491,7 @@ def token_lists(indices, block_table, token_to_req, positions, seq_lens, *, bloc
         if not tokens.is_contiguous() or not counts.is_contiguous():
             raise ValueError("out tokens and token_counts must be contiguous")
     _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
-               tokens, tokens, counts, emit_tokens=True)
+               tokens, tokens, counts, emit_tokens=True, index_counts=index_counts)
     return tokens, counts
 
 
@@ -486,10 +521,11 @@ def row_plan_ascending_steps(rows: int, device) -> bool:
 def _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
                ids, masks, counts, *, emit_tokens: bool, row_start: int = 0, chunk: int | None = None,
                num_warps: int | None = None, ascending_steps: bool | None = None,
-               sort_in_row: bool = False) -> None:
+               sort_in_row: bool = False, index_counts=None) -> None:
     """Launch the streaming row planner, then (rows wider than one step) the sorting planner for rows
     found out of order; with ``sort_in_row``, on the scan-free steps, such a row is sorted by its own
-    program instead (one launch fewer, for callers whose rows are sorted: see ``plan_single_rows``)."""
+    program instead (one launch fewer, for callers whose rows are sorted: see ``plan_single_rows``).
+    With ``index_counts`` each row reads only its first count entries (``HAS_COUNTS``)."""
     from .kernels import single_row_plan_kernel, single_row_sort_plan_kernel
     rows, width = indices.shape
     if rows == row_start:
@@ -508,13 +544,15 @@ def _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_si
         unsorted = owned(torch.empty((rows,), dtype=torch.int32, device=device))
         num_unsorted = zeroed(torch.empty((1,), dtype=torch.int32, device=device))
     keys = owned(torch.empty((rows - row_start, block_w), dtype=torch.int32, device=device)) if in_row else counts
+    has_counts, idx_counts, stride_counts = count_args(index_counts)
     common = dict(W=width, num_reqs=block_table.shape[0], max_blocks=block_table.shape[1],
                   num_blocks=num_blocks, stride_idx_row=indices.stride(0), stride_bt_req=block_table.stride(0),
-                  stride_ids_row=ids.stride(0), stride_masks_row=masks.stride(0), BLOCK_SIZE=block_size,
-                  CH=chunk, PAD=PAD, EMIT_TOKENS=emit_tokens)
+                  stride_ids_row=ids.stride(0), stride_masks_row=masks.stride(0), stride_idx_count=stride_counts,
+                  BLOCK_SIZE=block_size, CH=chunk, PAD=PAD, EMIT_TOKENS=emit_tokens, HAS_COUNTS=has_counts)
     launch_kernel(single_row_plan_kernel, (rows - row_start,),
         indices, block_table, token_to_req, positions, seq_lens, ids, masks, counts, unsorted, num_unsorted,
-        keys, row_start, **common, ONE_CHUNK=one_chunk, ASCENDING_STEPS=steps, SORT_W=block_w if in_row else 0,
+        keys, idx_counts, row_start, **common, ONE_CHUNK=one_chunk, ASCENDING_STEPS=steps,
+        SORT_W=block_w if in_row else 0,
         num_warps=num_warps or max(4, min(16, chunk // 128)),
         **launch_options(device))
     if one_chunk or in_row:
@@ -524,7 +562,7 @@ def _plan_rows(indices, block_table, token_to_req, positions, seq_lens, block_si
     keys = owned(torch.empty((programs, block_w), dtype=torch.int32, device=device))
     launch_kernel(single_row_sort_plan_kernel, (programs,),
         indices, block_table, token_to_req, positions, seq_lens, ids, masks, counts, unsorted, num_unsorted,
-        keys, programs, **common, BLOCK_W=block_w, num_warps=max(4, min(16, block_w // 256)),
+        keys, idx_counts, programs, **common, BLOCK_W=block_w, num_warps=max(4, min(16, block_w // 256)),
         **launch_options(device))
 
 

@@ -10,8 +10,8 @@ import triton
 import triton.language as tl
 
 from ..kernels import (ascending_limit, attend_kv, attend_kv_tokens, direct_row_list, enter_launch,
-                       list_entries, load_query, load_split_partials, merge_split_partials, row_setup, split_ascends,
-                       split_range, store_accumulator, store_partials, zero_accumulator)
+                       list_entries, load_query, load_split_partials, merge_split_partials, row_setup, row_width,
+                       split_ascends, split_range, store_accumulator, store_partials, zero_accumulator)
 
 
 @triton.jit
@@ -141,6 +141,7 @@ def xqa_direct_kernel(
     pos_ptr,  # [rows] int64
     seq_lens_ptr,  # [num_reqs] int32
     scratch_ptr,  # [rows, >= BLOCK_W] int32 (rows not in ascending order)
+    idx_count_ptr,  # [rows] int32 index_counts with HAS_COUNTS; else None (no parameter)
     gate_ptr,  # [rows, Hq, D] or unused
     out_ptr,  # [rows, Hq, D]
     lse_ptr,  # [rows, Hq] fp32 or unused
@@ -170,6 +171,7 @@ def xqa_direct_kernel(
     stride_g_row,
     stride_g_head,
     stride_lse_row,
+    stride_idx_count,  # index_counts row stride with HAS_COUNTS; else None
     G: tl.constexpr,  # query heads per KV head
     BLOCK_G: tl.constexpr,  # power of two >= max(G, 16)
     BLOCK_N: tl.constexpr,  # tokens per K/V tile
@@ -186,6 +188,7 @@ def xqa_direct_kernel(
     RETURN_LSE: tl.constexpr,
     DEFER_CHECK: tl.constexpr = False,  # (SPLIT_N > 0, NUM_SPLITS > 1) check only the split's positions
     HALVES: tl.constexpr = False,  # scores as two products over the head's column halves (attend_tile_halves)
+    HAS_COUNTS: tl.constexpr = False,  # a row reads only its first index_counts entries (row_width)
     PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """xqa without a planner launch: each program takes its split of the W positions of its row's
@@ -198,7 +201,11 @@ def xqa_direct_kernel(
     With ``DEFER_CHECK`` a program checks only its split's positions (``split_ascends``) and attends
     the split as given; a split that fails stores the sum -1 in its partial, and the merge
     (``xqa_direct_merge_kernel``) recomputes every split of such a row from its sorted list. The row
-    check and the sort leave this kernel: no program checks the whole row before its first K/V load."""
+    check and the sort leave this kernel: no program checks the whole row before its first K/V load.
+
+    Tiles and splits are cut from the ``W`` positions; the row's entries are its first ``n_w``
+    (``row_width``: ``W``, or its count with ``HAS_COUNTS``), and no load reads one past them: a row with a
+    count gets the bits of the same row with -1 past its count."""
     enter_launch(PDL)
     i_local = tl.program_id(0).to(tl.int64)
     i_kvh = tl.program_id(1).to(tl.int64)
@@ -211,6 +218,7 @@ def xqa_direct_kernel(
     o_row = tl.zeros([BLOCK_G], tl.int64) + i_r
     req, pos, seq_len, row_ok = row_setup(req_ptr, pos_ptr, seq_lens_ptr, i_r, num_reqs)
     p_idx = idx_ptr + i_r * stride_idx_row
+    n_w = row_width(idx_count_ptr, i_r, stride_idx_count, W, HAS_COUNTS)
     p_bt = bt_ptr + req * stride_bt
     b_q, b_q1 = load_query(q_ptr + i_r * stride_q_row + o_head[:, None] * stride_q_head, m_row, HEAD_DIM, HALVES,
                            DOT_DTYPE)
@@ -223,19 +231,19 @@ def xqa_direct_kernel(
         # checked; the tiles then take theirs from registers, so no K/V load waits on a list or table
         # load of its own tile and the pipeline can issue them num_stages - 1 tiles ahead.
         o_s = tl.arange(0, SPLIT_N)
-        n_split = tl.minimum(W, tile_end * BLOCK_N)
+        n_split = tl.minimum(n_w, tile_end * BLOCK_N)
         if DEFER_CHECK:  # loaded first, so that they do not wait behind the table loads
             u_prev = _previous_entries(p_idx, tile_start * BLOCK_N + o_s, n_split)
         b_ts, b_ps = list_entries(p_idx, tile_start * BLOCK_N + o_s, n_split, p_bt, pos, seq_len, row_ok,
                                    max_blocks, BLOCK_SIZE)
     elif PREFETCH:  # the first tile's entries, read from the row as given while the row is checked
-        b_t_next, b_phys_next = list_entries(p_idx, tile_start * BLOCK_N + o_n, W, p_bt, pos, seq_len, row_ok,
+        b_t_next, b_phys_next = list_entries(p_idx, tile_start * BLOCK_N + o_n, n_w, p_bt, pos, seq_len, row_ok,
                                               max_blocks, BLOCK_SIZE)
     if DEFER_CHECK:
         tl.static_assert(SPLIT_N > 0 and NUM_SPLITS > 1, "DEFER_CHECK needs resolved splits")
     else:
         p_list, n_list, ascending = direct_row_list(p_idx, scratch_ptr + i_r * stride_scratch_row, pos, row_ok,
-                                                     W, max_blocks, BLOCK_SIZE, BLOCK_W)
+                                                     n_w, max_blocks, BLOCK_SIZE, BLOCK_W)
         if SPLIT_N > 0:
             if not ascending:
                 b_ts, b_ps = list_entries(p_list, tile_start * BLOCK_N + o_s,
@@ -283,13 +291,13 @@ def xqa_direct_kernel(
 
 @triton.jit(noinline=True)  # out of line: inlined, the direct step was 0.4-1 us slower on the H200
 def _recompute_splits(q_ptr, k_ptr, v_ptr, idx_ptr, bt_ptr, req_ptr, pos_ptr, seq_lens_ptr, scratch_ptr,
-                      redo_acc_ptr, redo_ml_ptr, i_local, i_h, row_offset, W, num_reqs, max_blocks, num_blocks, Hq,
-                      qk_scale, stride_q_row, stride_q_head, stride_k_block, stride_k_tok, stride_k_head,
-                      stride_v_block, stride_v_tok, stride_v_head, stride_idx_row, stride_scratch_row, stride_bt,
-                      G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                      NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                      KV_FP8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                      HALVES: tl.constexpr):
+                      idx_count_ptr, redo_acc_ptr, redo_ml_ptr, i_local, i_h, row_offset, W, num_reqs, max_blocks,
+                      num_blocks, Hq, qk_scale, stride_q_row, stride_q_head, stride_k_block, stride_k_tok,
+                      stride_k_head, stride_v_block, stride_v_tok, stride_v_head, stride_idx_row, stride_scratch_row,
+                      stride_bt, stride_idx_count, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_W: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                      BLOCK_SIZE: tl.constexpr, KV_FP8: tl.constexpr, SAME_KV_STRIDES: tl.constexpr,
+                      DOT_DTYPE: tl.constexpr, HALVES: tl.constexpr, HAS_COUNTS: tl.constexpr):
     """Every split of partial row ``i_local``, attended again from its sorted list as
     ``xqa_direct_kernel`` attends a row out of order (its tiles and steps, tile by tile), stored for
     head ``i_h`` only, into the redo partials (never the direct kernel's, which every program of the
@@ -304,8 +312,9 @@ def _recompute_splits(q_ptr, k_ptr, v_ptr, idx_ptr, bt_ptr, req_ptr, pos_ptr, se
     p_bt = bt_ptr + req * stride_bt
     b_q, b_q1 = load_query(q_ptr + i_r * stride_q_row + o_head[:, None] * stride_q_head, m_row, HEAD_DIM, HALVES,
                            DOT_DTYPE)
+    n_w = row_width(idx_count_ptr, i_r, stride_idx_count, W, HAS_COUNTS)
     p_list, n_list, ascending = direct_row_list(idx_ptr + i_r * stride_idx_row,
-                                                 scratch_ptr + i_r * stride_scratch_row, pos, row_ok, W,
+                                                 scratch_ptr + i_r * stride_scratch_row, pos, row_ok, n_w,
                                                  max_blocks, BLOCK_SIZE, BLOCK_W)
     o_n = tl.arange(0, BLOCK_N)
     for i_split in range(NUM_SPLITS):
@@ -345,6 +354,7 @@ def xqa_direct_merge_kernel(
     pos_ptr,
     seq_lens_ptr,
     scratch_ptr,
+    idx_count_ptr,
     row_offset,
     W,
     num_reqs,
@@ -369,6 +379,7 @@ def xqa_direct_merge_kernel(
     stride_g_row,
     stride_g_head,
     stride_lse_row,
+    stride_idx_count,  # index_counts row stride with HAS_COUNTS; else None
     G: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -384,6 +395,7 @@ def xqa_direct_merge_kernel(
     RETURN_LSE: tl.constexpr,
     BLOCK_D: tl.constexpr,  # columns per program (a divisor of HEAD_DIM); grid axis 2 = HEAD_DIM // BLOCK_D
     HALVES: tl.constexpr = False,  # as the direct kernel was launched
+    HAS_COUNTS: tl.constexpr = False,  # as the direct kernel was launched
     PDL: tl.constexpr = 0,  # programmatic dependent launch (enter_launch)
 ):
     """``merge_splits_kernel`` (one program per row, head and ``BLOCK_D`` columns) for ``xqa_direct_kernel`` with
@@ -404,11 +416,11 @@ def xqa_direct_merge_kernel(
                                           HEAD_DIM)
     if tl.min(b_ls, 0) < 0:
         _recompute_splits(q_ptr, k_ptr, v_ptr, idx_ptr, bt_ptr, req_ptr, pos_ptr, seq_lens_ptr, scratch_ptr,
-                          redo_acc_ptr, redo_ml_ptr, i_local, i_h, row_offset, W, num_reqs, max_blocks, num_blocks,
-                          Hq, qk_scale, stride_q_row, stride_q_head, stride_k_block, stride_k_tok, stride_k_head,
-                          stride_v_block, stride_v_tok, stride_v_head, stride_idx_row, stride_scratch_row,
-                          stride_bt, G, BLOCK_G, BLOCK_N, BLOCK_W, NUM_SPLITS, HEAD_DIM, BLOCK_SIZE, KV_FP8,
-                          SAME_KV_STRIDES, DOT_DTYPE, HALVES)
+                          idx_count_ptr, redo_acc_ptr, redo_ml_ptr, i_local, i_h, row_offset, W, num_reqs, max_blocks,
+                          num_blocks, Hq, qk_scale, stride_q_row, stride_q_head, stride_k_block, stride_k_tok,
+                          stride_k_head, stride_v_block, stride_v_tok, stride_v_head, stride_idx_row,
+                          stride_scratch_row, stride_bt, stride_idx_count, G, BLOCK_G, BLOCK_N, BLOCK_W, NUM_SPLITS,
+                          HEAD_DIM, BLOCK_SIZE, KV_FP8, SAME_KV_STRIDES, DOT_DTYPE, HALVES, HAS_COUNTS)
         tl.debug_barrier()  # the partials are written before they are read back
         b_ms, b_ls, b_a = load_split_partials(redo_acc_ptr, redo_ml_ptr, i_local, i_h, o_d, Hq, NUM_SPLITS,
                                               BLOCK_S, HEAD_DIM)

@@ -19,7 +19,7 @@ from .. import routing
 from .. import launch as common
 from ..launch import (direct_tiles, dot_dtype, kernel_args, merge_splits, partials, row_scratch, same_kv_strides,
                       score_halves, scores_scale)
-from ..planning.plan import SingleRowPlan
+from ..planning.plan import SingleRowPlan, count_args
 from ..replay import launch as launch_kernel
 
 
@@ -233,12 +233,14 @@ def plan_direct_launch(*, rows: int, row_start: int, index_width: int, num_q_hea
 def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions, seq_lens, *, row_start: int,
                          out, lse, gate, softmax_scale, k_scale, v_scale, kv_fp8: bool,
                          config: settings.SplitConfig | None = None, num_splits: int | None = None,
-                         scratch: torch.Tensor | None = None, launch: DirectLaunch | None = None) -> None:
+                         scratch: torch.Tensor | None = None, launch: DirectLaunch | None = None,
+                         index_counts: torch.Tensor | None = None) -> None:
     """Rows ``[row_start, rows)`` of ``out`` (and ``lse``) straight from ``indices``: no plan launch.
 
     As ``launch`` (from :func:`plan_direct_launch`) says; decided here when it is None. ``scratch``
     (``[rows, >= next_pow2(W)]`` int32; default the launch's) receives the lists of rows that are not
-    sorted; the rows of sorted ones are left untouched."""
+    sorted; the rows of sorted ones are left untouched. ``index_counts`` (``[rows]`` int32, checked by the
+    caller): each row is its first ``min(max(count, 0), W)`` entries, the others never read."""
     from .kernel import xqa_direct_kernel
 
     rows, hq, d = q.shape
@@ -257,13 +259,15 @@ def xqa_direct_attention(q, k, v, indices, block_table, token_to_req, positions,
     strides, g, lse_t = kernel_args(q, k, v, out, gate, lse)
     scratch = launch.scratch if scratch is None else row_scratch(scratch, rows, block_w, q.device)
     part_acc, part_ml = launch.partials if splits > 1 else (out, out)
-    inputs = (q, k, v, indices, block_table, token_to_req, positions, seq_lens, scratch)
+    has_counts, idx_counts, stride_counts = count_args(index_counts)
+    inputs = (q, k, v, indices, block_table, token_to_req, positions, seq_lens, scratch, idx_counts)
     sizes = (row_start, width, block_table.shape[0], block_table.shape[1], k.shape[0], hq, qk_scale, float(v_scale))
     shared = dict(stride_idx_row=indices.stride(0), stride_scratch_row=scratch.stride(0),
-                  stride_bt=block_table.stride(0), **strides,
+                  stride_bt=block_table.stride(0), **strides, stride_idx_count=stride_counts,
                   G=G, BLOCK_G=max(16, next_pow2(G)), BLOCK_N=cfg.tile_tokens, BLOCK_W=block_w, NUM_SPLITS=splits,
                   HEAD_DIM=d, BLOCK_SIZE=k.shape[1], KV_FP8=kv_fp8, SAME_KV_STRIDES=same_kv_strides(k, v),
-                  DOT_DTYPE=dot_dtype(q), HAS_GATE=gate is not None, RETURN_LSE=lse is not None)
+                  DOT_DTYPE=dot_dtype(q), HAS_GATE=gate is not None, RETURN_LSE=lse is not None,
+                  HAS_COUNTS=has_counts)
     launch_kernel(xqa_direct_kernel, (n, hkv, splits),
         *inputs, g, out, lse_t, part_acc, part_ml, *sizes, **shared,
         PREFETCH=cfg.prefetch and not resolve, SPLIT_N=launch.split_n if resolve else 0, DEFER_CHECK=defer,
