@@ -20,6 +20,7 @@ interpreter; read when the kernels are defined, so set it before importing qsa) 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 # --- Launch settings records --------------------------------------------------------------------
@@ -208,3 +209,26 @@ SELECT_TOPK_EMIT = 1024
 """Blocks per emission step of the top-k kernel."""
 CLEAR_PAGES_TILE = (64, 64)
 """(compressed-key rows, pages) per program of the kernel that clears the keys of invalid pages."""
+
+# --- Change counter ------------------------------------------------------------------------------
+
+
+class _Settings(sys.modules[__name__].__class__):
+    """This module's type: every assignment or deletion of a setting bumps :data:`CHANGES`, so code that
+    caches a decision taken from the settings (the replayed steps of :mod:`qsa.attention.replay`) checks one
+    integer instead of comparing every setting. Assign a new value to change a setting; a value changed in
+    place (an item of a dict setting) is not counted."""
+
+    def __setattr__(self, name, value):
+        super().__setattr__(name, value)
+        if name != "CHANGES":
+            super().__setattr__("CHANGES", self.CHANGES + 1)
+
+    def __delattr__(self, name):
+        super().__delattr__(name)
+        super().__setattr__("CHANGES", self.CHANGES + 1)
+
+
+CHANGES = 0
+"""How many times a setting was assigned or deleted since import (read-only: the module counts)."""
+sys.modules[__name__].__class__ = _Settings

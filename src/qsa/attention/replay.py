@@ -217,10 +217,10 @@ def tensor_key(t):
 
 
 def environment() -> tuple:
-    """What every replay depends on besides its inputs: the settings, the device facts, the backend and
-    the environment variables the launchers read (a change of any of them, tests' patches included,
-    drops every replay)."""
-    return (tuple(vars(settings).values()), utils.device_facts, backend.interpreter_enabled,
+    """What every replay depends on besides its inputs: the settings (their change counter,
+    ``settings.CHANGES``), the device facts, the backend and the environment variables the launchers read
+    (a change of any of them, tests' patches included, drops every replay)."""
+    return (settings.CHANGES, utils.device_facts, backend.interpreter_enabled,
             backend.triton_available, os.environ.get("TRITON_INTERPRET"), os.environ.get("QSA_PDL"))
 
 
