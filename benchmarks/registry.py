@@ -143,7 +143,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     _decode(16, invariant=True),
     _decode(256, invariant=True),
     Scenario(name="mixed-185", rows=185, context=64 * K, overlap=0.8, routes=("grouped", "xqa", "splitk", "naive"),
-             description="185 rows of one request @ 64K (auto: 184 grouped rows and one xqa row)"),
+             description="185 rows of one request @ 64K (auto: 23 whole groups and a partial one)"),
     Scenario(name="chunk-2048", rows=2048, context=64 * K, overlap=0.8, routes=("grouped", "xqa", "splitk", "naive"),
              description="a 2048-row prefill chunk of one request @ 64K"),
     # --- shape and dtype variants ---

@@ -27,14 +27,18 @@ def _cpu_env():
 
 def expected_routes(lens, chunk, new_tokens) -> str:
     """The attention routes ``route="auto"`` takes for the demo's steps, worked out from the schedule: a
-    prefill step of at least ``GROUPED_MIN_ROWS`` rows is grouped in groups of ``GROUP_ROWS`` with its
-    leftover rows on xqa, a smaller one is xqa, and so is every decode step; in the demo's words."""
+    prefill step of at least ``GROUPED_MIN_ROWS`` rows is grouped in groups of ``GROUP_ROWS``, with its
+    leftover rows on xqa where it holds rows of several requests (all of it grouped, the last group
+    partial, where it is one request's rows), a smaller one is xqa, and so is every decode step; in the
+    demo's words."""
     import qsa
 
     prefill = {"grouped": 0, "xqa": 0}
     for step in qsa.model.serving.prefill_schedule(lens, chunk):
         rows = sum(c.end - c.start for c in step)
-        grouped = rows // qsa.settings.GROUP_ROWS * qsa.settings.GROUP_ROWS if rows >= qsa.settings.GROUPED_MIN_ROWS else 0
+        one_request = max(c.end - c.start for c in step) >= rows  # max_query_len >= rows: a partial last group
+        grouped = 0 if rows < qsa.settings.GROUPED_MIN_ROWS else rows if one_request else \
+            rows // qsa.settings.GROUP_ROWS * qsa.settings.GROUP_ROWS
         prefill["grouped"] += grouped > 0
         prefill["xqa"] += rows > grouped
 
@@ -57,13 +61,15 @@ def check_kernels_ran(out: str, lens, chunk, new_tokens, stages: str = "Triton k
     assert ran_stages == stages, lines[0]
 
 
-SMALL_DEMO = ["--layers", "1", "--requests", "2", "--prompt-len", "70", "--new-tokens", "3", "--chunk", "96"]
-SMALL_LENS, SMALL_CHUNK, SMALL_NEW = [70, 108], 96, 3  # the demo's prompts: 70 and 70 + 70 * 9 // 20 + 7
+SMALL_DEMO = ["--layers", "1", "--requests", "2", "--prompt-len", "70", "--new-tokens", "3", "--chunk", "100"]
+SMALL_LENS, SMALL_CHUNK, SMALL_NEW = [70, 108], 100, 3  # the demo's prompts: 70 and 70 + 70 * 9 // 20 + 7
+# chunks: 70 + 30 rows of two requests (96 grouped, 4 on xqa), then 78 rows of one (all grouped)
 
 
 def test_demo_cli_cpu_runs_the_kernels():
     """``qsa demo`` on a CPU, no interpreter in the environment: it turns the interpreter on and runs the
-    Triton kernels (grouped prefill chunks, xqa leftovers and decode, Triton selection and cache writes),
+    Triton kernels (grouped prefill chunks, the leftover rows of a two-request chunk and decode on xqa,
+    Triton selection and cache writes),
     and says so from what ran; two placements, bitwise equal logits. Small sizes keep it short."""
     res = subprocess.run([sys.executable, "-m", "qsa.cli", "demo", "--device", "cpu", *SMALL_DEMO],
                          capture_output=True, text=True, env=_cpu_env())
@@ -138,8 +144,9 @@ def _launch_counter(monkeypatch):
 
 
 def _generate_counting(monkeypatch, route):
-    """Serve two requests (68 and 10 tokens; chunks of 68 rows: 64 grouped + 4 xqa, then 10 xqa; 2 decode
-    steps) on a 2-layer model; returns the result and the kernels launched in each step."""
+    """Serve two requests (68 and 10 tokens; chunks of 70 rows: 68 + 2 rows of two requests, 64 grouped + 6
+    xqa, then 8 xqa; 2 decode steps) on a 2-layer model; returns the result and the kernels launched in
+    each step."""
     from collections import Counter
 
     from qsa.model.tiny import TinyConfig, TinyQSAModel
@@ -147,7 +154,7 @@ def _generate_counting(monkeypatch, route):
 
     launched = _launch_counter(monkeypatch)
     model = TinyQSAModel(TinyConfig.small(num_layers=2), device="cpu")
-    engine = Engine(model, ServingConfig(num_blocks=16, block_size=16, max_reqs=2, max_blocks_per_req=6, chunk_size=68,
+    engine = Engine(model, ServingConfig(num_blocks=16, block_size=16, max_reqs=2, max_blocks_per_req=6, chunk_size=70,
                                          route=route, backend="torch"))
     per_step, seen = [], Counter()
 

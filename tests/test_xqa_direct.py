@@ -379,6 +379,9 @@ def test_admission_of_the_direct_kernel():
     mixed = choose("auto", rows=69, rows_sorted=True, **kw)
     assert (mixed.route, mixed.grouped_rows, mixed.direct) == ("grouped", 64, True)
     assert not choose("auto", rows=64, rows_sorted=True, **kw).direct  # no row left to xqa
+    one_request = choose("auto", rows=69, rows_sorted=True, max_query_len=69, **kw)  # a partial last group
+    assert (one_request.route, one_request.grouped_rows, one_request.direct) == ("grouped", 69, False)
+    assert choose("auto", rows=69, rows_sorted=True, max_query_len=68, **kw).grouped_rows == 64
     assert not choose("splitk", rows=4, rows_sorted=True, **kw).direct
     with pytest.raises(TypeError, match="rows_sorted"):
         choose("xqa", rows=4, rows_sorted=1, **kw)

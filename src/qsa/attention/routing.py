@@ -13,7 +13,10 @@ Routes:
 
 ``auto`` sends ``rows // GROUP_ROWS * GROUP_ROWS`` rows to ``grouped`` when there are at least
 ``settings.GROUPED_MIN_ROWS`` rows, the shape is supported and the batch is not known to be pure decode (one row
-per request), the remaining rows to ``xqa``, and falls back to ``splitk`` for shapes the page4 routes
+per request), the remaining rows to ``xqa``; all rows to ``grouped`` when they are known to be one request's
+(``max_query_len >= rows``: the last, partial group shares that request's tokens too, and costs no launch of
+its own, where the leftover rows of a mixed batch may be decode rows of other requests, which xqa splits
+better). It falls back to ``splitk`` for shapes the page4 routes
 do not take (to ``reference`` for head dims no Triton kernel takes, and where no Triton kernel can run:
 a CPU without the interpreter, or an interpreter that cannot run them, :func:`qsa.backend.interpreter_problem`).
 Each such fallback is logged once per process, with its reason, as a WARNING on the ``qsa`` logger
@@ -127,6 +130,8 @@ def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device
         return RoutePlan("splitk", 0)
     elif rows < settings.GROUPED_MIN_ROWS or max_query_len == 1:
         route, grouped_rows = "xqa", 0
+    elif max_query_len is not None and max_query_len >= rows:  # one request: its last group may be partial
+        route, grouped_rows = "grouped", rows
     else:
         route, grouped_rows = "grouped", rows // settings.GROUP_ROWS * settings.GROUP_ROWS
     direct = rows_sorted and index_width is not None and direct_admits(rows - grouped_rows, index_width)

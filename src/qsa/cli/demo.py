@@ -6,7 +6,7 @@ sparse, and decode steps replay a CUDA graph. On the CPU the demo reruns itself 
 interpreter on (``TRITON_INTERPRET=1``; not for ``--route reference``), so the same Triton kernels run
 (attention, selection and cache writes), at small sizes (``CPU_DEFAULTS``: about 50 s on two cores):
 two requests of 100 and 152 tokens (sparse: each row keeps 16 blocks of 4 tokens and a tail), prefill
-chunks of 128 rows (the grouped route, its leftover rows on xqa), decode steps on xqa. The demo prints
+chunks of 128 rows (the grouped route), decode steps on xqa. The demo prints
 the routes that ran, counted from each step's record (:meth:`qsa.model.serving.GenerationResult.route_steps`).
 
 ``--plan-order physical`` adds a demonstration: the same two placements with grouped plans sorted by
