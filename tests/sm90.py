@@ -28,6 +28,7 @@ import qsa.attention.xqa.launch
 import qsa.settings
 from qsa.settings import MAP_LIST_WORDS, PLANNER, PLANNER_FEW, PLANNER_MAP, PLANNER_SHORT, SHARED_MAP_MICROBLOCKS
 from qsa.attention.kernels import merge_splits_kernel
+from qsa.attention.merge import merge_attention_states_kernel, merge_states_config
 from qsa.attention.grouped.kernel import grouped_attention_kernel
 from qsa.attention.invariant.kernel import invariant_attention_kernel, invariant_merge_kernel
 from qsa.attention.planning.kernels import (grouped_plan_kernel, grouped_plan_map_kernel, LIST_WORDS, SHARED_MAP_MICROBLOCKS as KERNEL_MAP_MICROBLOCKS, single_row_plan_kernel, single_row_sort_plan_kernel)
@@ -132,6 +133,15 @@ def _attention_pointers(act, cache):
 
 
 FLAGS = dict(HEAD_DIM=256, BLOCK_SIZE=16, HAS_GATE=True, RETURN_LSE=True, PDL=True)
+COUNTS = {"idx_count_ptr": "*i32"}  # the pointer a kernel with HAS_COUNTS takes (index_counts)
+
+
+def counted_divisible(kernel, *others) -> set:
+    """The arguments a launch on vLLM's ``[rows, W + 1]`` index buffer marks divisible by 16: every
+    ``stride_*`` argument and ``others``, but the row strides of ``indices`` (``buf[:, :W]``) and of
+    ``index_counts`` (``buf[:, W]``), both ``W + 1``."""
+    return {p.name for p in kernel.params if (p.name.startswith("stride_") or p.name in others)
+            and p.name not in ("stride_idx_row", "stride_idx_count")}
 
 
 def assert_resident(programs_per_sm: int, num_warps: int, usage: dict, what) -> None:
@@ -163,6 +173,11 @@ def check_grouped_kernel(act, cache, G):
 
 
 def check_single_row_kernel(route, cache):
+    """The route's kernel at 6/1/256 as launched; an ``xqa-direct`` route with the suffix ``-counts`` is the
+    direct kernel with ``HAS_COUNTS`` on vLLM's index buffer (``counted_divisible``)."""
+    counts = route.endswith("-counts")
+    route = route.removesuffix("-counts")
+    assert not counts or route.startswith("xqa-direct"), route
     fp8 = cache == "u8"
     cfg = {"xqa": lambda G, d: qsa.attention.xqa.launch.xqa_config(G, d),
            "xqa-direct": lambda G, d: qsa.attention.xqa.launch.xqa_direct_config(G, d, 8, kv_fp8=fp8),
@@ -184,6 +199,9 @@ def check_single_row_kernel(route, cache):
         split_n = split_n if cfg.resolve_split else 0
         cx = dict(BLOCK_N=cfg.tile_tokens, BLOCK_W=qsa.settings.DIRECT_MAX_WIDTH, PREFETCH=cfg.prefetch and not split_n,
                   SPLIT_N=split_n, DEFER_CHECK=cfg.defer_check and split_n > 0, HALVES=cfg.qk_halves)
+        if counts:
+            ptrs.update(COUNTS)
+            cx.update(HAS_COUNTS=True)
     elif route == "xqa":
         kernel = xqa_attention_kernel
         ptrs.update(ids_ptr="*i32", masks_ptr="*u8", counts_ptr="*i32")
@@ -196,7 +214,8 @@ def check_single_row_kernel(route, cache):
                                                SAME_KV_STRIDES=True,
                                                DOT_DTYPE=tl.float16, **cx, **FLAGS),
                             floats=("qk_scale", "v_scale"), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                            maxnreg=getattr(cfg, "max_registers", None))
+                            maxnreg=getattr(cfg, "max_registers", None),
+                            divisible=counted_divisible(kernel) if counts else None)
     assert usage["shared"] <= SMEM_LIMIT, usage
     assert usage["pdl"], usage
     assert usage["local"] == 0, usage  # no spills
@@ -220,11 +239,13 @@ def check_single_row_kernel(route, cache):
     return usage
 
 
-def check_invariant_kernels(cache, width=2051):
+def check_invariant_kernels(cache, width=2051, counts=False):
     """The batch-invariant route's kernel as launched at 6/1/256 (folding, and a program per split) for
-    ``indices`` ``width`` wide, and its merge; a folding launch of many lists under its register cap."""
+    ``indices`` ``width`` wide, and its merge; a folding launch of many lists under its register cap.
+    With ``counts``: the kernel with ``HAS_COUNTS`` on vLLM's index buffer (``counted_divisible``), the
+    merge (which reads no index) left out."""
     ptrs = {**_attention_pointers("fp16", cache), "idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32",
-            "pos_ptr": "*i64", "seq_lens_ptr": "*i32", "scratch_ptr": "*i32"}
+            "pos_ptr": "*i64", "seq_lens_ptr": "*i32", "scratch_ptr": "*i32", **(COUNTS if counts else {})}
     kv_fp8 = cache == "u8"
     usage = {}
     launches = (("fold", True, qsa.settings.INVARIANT_FOLD_LISTS), ("split", False, 1),
@@ -237,9 +258,9 @@ def check_invariant_kernels(cache, width=2051):
             dict(G=6, BLOCK_G=16, BLOCK_N=cfg.tile_tokens, BLOCK_W=max(16, triton.next_power_of_2(width)),
                  SPLIT_TILES=cfg.split_tiles, NUM_SPLITS=splits, SPLIT_N=cfg.split_tiles * cfg.tile_tokens,
                  FOLD=fold, KV_FP8=kv_fp8, SAME_KV_STRIDES=True, DOT_DTYPE=tl.float16, HALVES=cfg.qk_halves,
-                 **FLAGS),
+                 HAS_COUNTS=counts, **FLAGS),
             floats=("qk_scale", "v_scale"), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            maxnreg=cfg.max_registers)
+            maxnreg=cfg.max_registers, divisible=counted_divisible(invariant_attention_kernel) if counts else None)
         assert u["shared"] <= SMEM_LIMIT and u["pdl"], u
         assert u["loop_spills"] == 0, (name, cache, u)
         assert qk_chain_depth(compiled) == (8 if cfg.qk_halves else 16), u
@@ -247,6 +268,8 @@ def check_invariant_kernels(cache, width=2051):
             assert u["regs"] <= cfg.max_registers, u
             assert_resident(3, cfg.num_warps, u, (name, cache))
         usage[name] = u
+    if counts:
+        return usage
     cfg = qsa.attention.invariant.launch.invariant_config(6, 256)
     splits = -(-qsa.attention.launch.direct_tiles(width, cfg.tile_tokens) // cfg.split_tiles)
     merge_ptrs = {"part_acc_ptr": "*fp32", "part_ml_ptr": "*fp32", "gate_ptr": "*fp16", "out_ptr": "*fp16",
@@ -293,61 +316,90 @@ def check_merge_and_planner_kernels():
               "idx_ptr": "*i32", "bt_ptr": "*i32",
               "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32", "scratch_ptr": "*i32"}
 
-    def direct_merge(lists, cap):  # mtp-8 (8 lists) or mtp-16 (16 lists): 17 splits
-        return compile_sm90(xqa_direct_merge_kernel, direct,
+    def direct_merge(lists, cap, counts=False):  # mtp-8 (8 lists) or mtp-16 (16 lists): 17 splits
+        return compile_sm90(xqa_direct_merge_kernel, {**direct, **COUNTS} if counts else direct,
                             dict(G=6, BLOCK_G=16, BLOCK_N=32, BLOCK_W=qsa.settings.DIRECT_MAX_WIDTH, NUM_SPLITS=17,
                                  BLOCK_S=32, HEAD_DIM=256, BLOCK_SIZE=16, KV_FP8=False, SAME_KV_STRIDES=True,
                                  DOT_DTYPE=tl.float16, HAS_GATE=True, RETURN_LSE=True,
                                  BLOCK_D=qsa.attention.launch.merge_config(17, 256, xqa_lists=lists)[0],
-                                 HALVES=qsa.attention.xqa.launch.xqa_direct_config(6, 256, lists).qk_halves),
-                            floats=("qk_scale", "v_scale"), num_warps=4, maxnreg=cap)
+                                 HALVES=qsa.attention.xqa.launch.xqa_direct_config(6, 256, lists).qk_halves,
+                                 HAS_COUNTS=counts),
+                            floats=("qk_scale", "v_scale"), num_warps=4, maxnreg=cap,
+                            divisible=counted_divisible(xqa_direct_merge_kernel) if counts else None)
+
+    def fits(direct_usage, merge_usage):
+        return (2 * 128 * direct_usage["regs"] + 128 * merge_usage["regs"] <= 65536
+                and 2 * (direct_usage["shared"] + 1024) + merge_usage["shared"] + 1024 <= SM_SHARED)
 
     merges = [direct_merge(16, cap) for cap in (qsa.settings.DIRECT_MAX_REGISTERS, None)]
     # qsa.attention.xqa.launch.direct_merge_registers: where the direct launch fills two programs per SM, the merge, launched
     # as the direct kernel starts, waits beside them only capped; uncapped (its recompute path) it does not fit.
     direct_usage = check_single_row_kernel("xqa-direct", "fp16")
-    fits = [2 * 128 * direct_usage["regs"] + 128 * m["regs"] <= 65536
-            and 2 * (direct_usage["shared"] + 1024) + m["shared"] + 1024 <= SM_SHARED for m in merges]
-    assert fits == [True, False], (direct_usage, merges)
+    assert [fits(direct_usage, m) for m in merges] == [True, False], (direct_usage, merges)
+    # The same with HAS_COUNTS (the merge is launched with the direct kernel's flag), on vLLM's index buffer.
+    counted = (check_single_row_kernel("xqa-direct-counts", "fp16"),
+               direct_merge(16, qsa.settings.DIRECT_MAX_REGISTERS, counts=True))
+    assert fits(*counted), counted
     # After a direct launch of few lists (qsa.attention.launch.merge_config): programs of fewer columns, uncapped as launched.
     direct_merge(8, None)
     rows = {"idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32",
             "ids_ptr": "*i32", "masks_ptr": "*u8", "counts_ptr": "*i32", "unsorted_ptr": "*i32",
             "num_unsorted_ptr": "*i32", "keys_ptr": "*i32"}
-    for chunk, warps, tokens, steps in ((512, 4, False, False), (4096, 16, False, False), (4096, 16, True, False),
-                                        (512, 4, False, True), (1024, 8, False, True)):
-        compile_sm90(single_row_plan_kernel, rows, dict(BLOCK_SIZE=16, CH=chunk, PAD=16, EMIT_TOKENS=tokens,
-                                                        ONE_CHUNK=chunk == 4096, ASCENDING_STEPS=steps,
-                                                        SORT_W=4096 if steps else 0),
-                     num_warps=warps)
-    compile_sm90(single_row_sort_plan_kernel, rows,
-                 dict(BLOCK_SIZE=16, BLOCK_W=4096, CH=512, PAD=16, EMIT_TOKENS=True), num_warps=16)
+    # Each planner without counts, then with HAS_COUNTS on vLLM's index buffer (counted_divisible).
+    for counts in (False, True):
+        for chunk, warps, tokens, steps in ((512, 4, False, False), (4096, 16, False, False), (4096, 16, True, False),
+                                            (512, 4, False, True), (1024, 8, False, True)):
+            compile_sm90(single_row_plan_kernel, {**rows, **COUNTS} if counts else rows,
+                         dict(BLOCK_SIZE=16, CH=chunk, PAD=16, EMIT_TOKENS=tokens, ONE_CHUNK=chunk == 4096,
+                              ASCENDING_STEPS=steps, SORT_W=4096 if steps else 0, HAS_COUNTS=counts),
+                         num_warps=warps, divisible=counted_divisible(single_row_plan_kernel) if counts else None)
+        compile_sm90(single_row_sort_plan_kernel, {**rows, **COUNTS} if counts else rows,
+                     dict(BLOCK_SIZE=16, BLOCK_W=4096, CH=512, PAD=16, EMIT_TOKENS=True, HAS_COUNTS=counts),
+                     num_warps=16, divisible=counted_divisible(single_row_sort_plan_kernel) if counts else None)
     groups = {"idx_ptr": "*i32", "bt_ptr": "*i32", "req_ptr": "*i32", "pos_ptr": "*i64", "seq_lens_ptr": "*i32",
               "g_ids_ptr": "*i32", "g_masks_ptr": "*i32", "g_counts_ptr": "*i32", "bits_ptr": "*i32"}
     for cfg in (PLANNER, PLANNER_FEW, PLANNER_SHORT):
-        for summary in (cfg.summary, not cfg.summary):
+        for summary, counts in ((cfg.summary, False), (not cfg.summary, False), (cfg.summary, True)):
             # XCAP (a multiple of 512) is specialised as divisible by 16 in real launches, like the strides.
-            usage = compile_sm90(grouped_plan_kernel, groups,
+            usage = compile_sm90(grouped_plan_kernel, {**groups, **COUNTS} if counts else groups,
                                  dict(GROUP_ROWS=8, BLOCK_Q=8, BLOCK_SIZE=16, QUADS=cfg.quads, SCAN=cfg.scan,
-                                      PAD=16, SUMMARY=summary, PTX=True, LATE_TABLE=cfg.late_table),
+                                      PAD=16, SUMMARY=summary, PTX=True, LATE_TABLE=cfg.late_table, HAS_COUNTS=counts),
                                  num_warps=cfg.num_warps,
-                                 divisible={p.name for p in grouped_plan_kernel.params
-                                            if p.name == "XCAP" or p.name.startswith("stride_")})
+                                 divisible=counted_divisible(grouped_plan_kernel, "XCAP") if counts else
+                                 {p.name for p in grouped_plan_kernel.params
+                                  if p.name == "XCAP" or p.name.startswith("stride_")})
             if cfg is not PLANNER_FEW and summary == cfg.summary:
                 # The persistent grid is resident at once: more programs than fit an SM would only wait for
                 # a free slot (PLANNER_FEW launches fewer programs than SMs).
-                assert_resident(cfg.programs_per_sm, cfg.num_warps, usage, cfg)
+                assert_resident(cfg.programs_per_sm, cfg.num_warps, usage, (cfg, counts))
     # The planner over a map in shared memory: its static map, a program's whole grid resident at once.
-    usage = compile_sm90(grouped_plan_map_kernel, groups,
-                         dict(GROUP_ROWS=8, BLOCK_Q=8, BLOCK_SIZE=16, QUADS=PLANNER_MAP.quads, SCAN=PLANNER_MAP.scan,
-                              CH=PLANNER_MAP.emit, LIST=MAP_LIST_WORDS, PAD=16, SHARED=True, PTX=True),
-                         num_warps=PLANNER_MAP.num_warps, maxnreg=PLANNER_MAP.max_registers,
-                         divisible={p.name for p in grouped_plan_map_kernel.params
-                                    if p.name in ("XCAP", "map_off", "flag_off", "list_off") or p.name.startswith("stride_")})
-    assert (KERNEL_MAP_MICROBLOCKS.value, LIST_WORDS.value) == (SHARED_MAP_MICROBLOCKS, MAP_LIST_WORDS)
-    assert usage["shared_static"] == 4 * (SHARED_MAP_MICROBLOCKS * 9 // 32 + MAP_LIST_WORDS) + 1024, usage
-    assert usage["spills"] == 0 and usage["regs"] <= PLANNER_MAP.max_registers, usage  # the cap costs no spills
-    assert_resident(PLANNER_MAP.programs_per_sm, PLANNER_MAP.num_warps, usage, PLANNER_MAP)
+    offsets = ("XCAP", "map_off", "flag_off", "list_off")
+    for counts in (False, True):
+        usage = compile_sm90(grouped_plan_map_kernel, {**groups, **COUNTS} if counts else groups,
+                             dict(GROUP_ROWS=8, BLOCK_Q=8, BLOCK_SIZE=16, QUADS=PLANNER_MAP.quads, SCAN=PLANNER_MAP.scan,
+                                  CH=PLANNER_MAP.emit, LIST=MAP_LIST_WORDS, PAD=16, SHARED=True, PTX=True,
+                                  HAS_COUNTS=counts),
+                             num_warps=PLANNER_MAP.num_warps, maxnreg=PLANNER_MAP.max_registers,
+                             divisible=counted_divisible(grouped_plan_map_kernel, *offsets) if counts else
+                             {p.name for p in grouped_plan_map_kernel.params
+                              if p.name in offsets or p.name.startswith("stride_")})
+        assert (KERNEL_MAP_MICROBLOCKS.value, LIST_WORDS.value) == (SHARED_MAP_MICROBLOCKS, MAP_LIST_WORDS)
+        assert usage["shared_static"] == 4 * (SHARED_MAP_MICROBLOCKS * 9 // 32 + MAP_LIST_WORDS) + 1024, usage
+        assert usage["spills"] == 0 and usage["regs"] <= PLANNER_MAP.max_registers, usage  # the cap costs no spills
+        assert_resident(PLANNER_MAP.programs_per_sm, PLANNER_MAP.num_warps, usage, (PLANNER_MAP, counts))
+    # qsa.merge_attention_states at 24 heads of 256 (merge_states_config), as launched (Triton's default 3
+    # stages): up to 8 parts of one layout each its own pointer, or stacked (a loop over any count). The lse
+    # parts are [rows, Hq] contiguous: their head stride 1 (a constant, as Triton specialises it), their row
+    # and part strides multiples of Hq = 24, not divisible by 16.
+    block_h, block_d, warps = merge_states_config(24, 256)
+    for dtype, parts, stacked, lse in (("bf16", 2, False, True), ("bf16", 8, False, False), ("fp32", 16, True, True)):
+        ptrs = {**{f"o_{i}": f"*{dtype}" for i in range(8)}, **{f"l_{i}": "*fp32" for i in range(8)},
+                "out_ptr": f"*{dtype}", "lse_ptr": "*fp32"}
+        compile_sm90(merge_attention_states_kernel, ptrs,
+                     dict(NUM_PARTS=parts, STACKED=stacked, HEAD_DIM=256, BLOCK_D=block_d, BLOCK_H=block_h,
+                          RETURN_LSE=lse, stride_lh=1),
+                     num_warps=warps, num_stages=3,
+                     divisible={"stride_op", "stride_or", "stride_oh", "stride_out_row", "stride_out_head"})
 
 
 ONE_ARGS = {  # integer arguments a launch may pass as 1
@@ -509,6 +561,7 @@ def _invariant(cache):
     def section():
         for width in (2051, 4096):
             print(f"invariant {cache} W={width}: {check_invariant_kernels(cache, width)}")
+        print(f"invariant {cache} W=2051 counts: {check_invariant_kernels(cache, 2051, counts=True)}")
     return section
 
 
@@ -535,7 +588,8 @@ def section_gluon():
 SECTIONS = {  # each compiles on its own, in a process of its own if need be (tests/test_compile_sm90.py)
     "grouped": section_grouped,
     "single-row": _single_row("xqa", "xqa-direct", "splitk", "splitk-few"),
-    "single-row-wide": _single_row("xqa-direct-64", "xqa-direct-128", "xqa-direct-unresolved"),
+    "single-row-wide": _single_row("xqa-direct-64", "xqa-direct-128", "xqa-direct-unresolved", "xqa-direct-counts",
+                                   "xqa-direct-64-counts"),
     "invariant-fp16": _invariant("fp16"),
     "invariant-u8": _invariant("u8"),
     "merge-planner": section_merge_and_planner,

@@ -4,6 +4,7 @@ The PyTorch paths are checked exactly against the loop references and against th
 (interpreter on the CPU); the ops pass ``torch.library.opcheck`` and run under ``torch.compile``.
 """
 
+import dataclasses
 import functools
 
 import pytest
@@ -225,6 +226,104 @@ def test_opcheck_attention():
                 "auto", 1.0, 1.0, None, return_lse, "reference")
         torch.library.opcheck(torch.ops.qsa.sparse_paged_attention.default, args)
         torch.library.opcheck(torch.ops.qsa.sparse_paged_attention.default, (*args, 1, True))
+    buf, padded, _ = _counted_op_case("cpu")
+    W = padded.indices.shape[1]
+    args = (c.q, cache.k, cache.v, buf[:, :W], c.block_table, c.token_to_req, c.positions, c.seq_lens, c.gate,
+            "auto", 1.0, 1.0, None, True, "reference", None, False, buf[:, W])
+    torch.library.opcheck(torch.ops.qsa.sparse_paged_attention.default, args)
+
+
+OP_COUNTS = [3, 20, 0, 7, -2, 25, 11, 1, 15, 9, 5]
+"""A raw count per row of ``_attention_case`` (W = 20): a whole row, 0, a negative count and one past W
+(clamped to 20, 0, 0, 20) among short rows."""
+
+
+def _counted_op_case(device):
+    """``_attention_case`` served as a ``[rows, W + 1]`` buffer: ``(buf, padded, poisoned)``. ``buf[:, :W]``
+    holds each row's first ``clamp(OP_COUNTS[r], 0, W)`` entries, then in-range but wrong tokens (ones the
+    row could attend and its leading entries do not keep), and ``buf[:, W]`` the raw counts; ``padded`` is
+    the case with -1 past each count; ``poisoned`` the rows that have such wrong tokens past their count
+    (the others have none to take)."""
+    from qsa.attention.reference import kept_tokens
+
+    c = _attention_case(device)
+    rows, W = c.indices.shape
+    eff = [min(max(n, 0), W) for n in OP_COUNTS]
+    compact = c.indices.cpu().clone()
+    for r, n in enumerate(eff):
+        compact[r, n:] = -1
+    table, lens = c.block_table.tolist(), c.seq_lens.tolist()
+    reqs, pos = c.token_to_req.tolist(), c.positions.tolist()
+    bs, nb = c.cache.block_size, c.cache.num_blocks
+    buf = torch.full((rows, W + 1), -1, dtype=torch.int32)
+    buf[:, :W] = compact
+    poisoned = []
+    for r, n in enumerate(eff):
+        kept = set(kept_tokens(compact[r].tolist(), reqs[r], pos[r], lens, table, bs, nb))
+        wrong = [t for t in kept_tokens(range(max(pos[r] + 1, 0)), reqs[r], pos[r], lens, table, bs, nb)
+                 if t not in kept]
+        if wrong and n < W:
+            poisoned.append(r)
+            buf[r, n:W] = torch.tensor([wrong[i % len(wrong)] for i in range(W - n)], dtype=torch.int32)
+    buf[:, W] = torch.tensor(OP_COUNTS, dtype=torch.int32)
+    padded = dataclasses.replace(c, indices=compact.to(device))
+    return buf.to(device), padded, poisoned
+
+
+@pytest.mark.parametrize("route", ["reference", "xqa"])
+def test_attention_op_reads_only_each_rows_count(device, route):
+    """``index_counts`` through the custom op: the rows of a ``[rows, W + 1]`` buffer (``indices`` a view of
+    row stride ``W + 1``, the counts its last column) give the bits of the same indices with -1 past each
+    count, though the entries past the counts hold in-range tokens the rows could attend; the public op
+    with the counts gives the same bits. The known-wrong variant, the buffer without its counts, reads
+    those tokens: the comparison rejects it in exactly the rows that hold some."""
+    buf, padded, poisoned = _counted_op_case(device)
+    assert len(poisoned) >= 3
+    W = padded.indices.shape[1]
+    served = dataclasses.replace(padded, indices=buf[:, :W])
+    counts = buf[:, W]
+    assert served.indices.stride(0) == W + 1 and counts.stride(0) == W + 1
+    op = qsa.model.ops.sparse_paged_attention
+    want = padded.run(op, return_lse=True, route=route)
+    got = served.run(op, return_lse=True, route=route, index_counts=counts)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.isfinite(got[0]).all()
+    public = served.run(qsa.sparse_paged_attention, return_lse=True, route=route, index_counts=counts)
+    assert torch.equal(public[0], got[0]) and torch.equal(public[1], got[1])
+    ignored = served.run(op, return_lse=True, route=route)
+    differs = (ignored[0] != want[0]).flatten(1).any(1) | (ignored[1] != want[1]).any(1)
+    assert differs.nonzero().flatten().tolist() == poisoned
+
+
+def test_attention_op_with_counts_under_torch_compile():
+    """Dynamo traces the op with and without ``index_counts`` (strided views of one buffer) in a full graph
+    through the fake implementation; each compiled call is bitwise the eager op."""
+    buf, padded, _ = _counted_op_case("cpu")
+    W = padded.indices.shape[1]
+    served = dataclasses.replace(padded, indices=buf[:, :W])
+
+    def step(case, **kw):
+        return case.run(qsa.model.ops.sparse_paged_attention, return_lse=True, route="reference", **kw)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    for case, kw in ((served, dict(index_counts=buf[:, W])), (padded, {})):
+        got, want = compiled(case, **kw), step(case, **kw)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert torch.equal(compiled(served, index_counts=buf[:, W])[0], step(padded)[0])
+
+
+def test_attention_op_checks_index_counts_as_the_library_does():
+    """A bad ``index_counts`` is refused by name through the op as by the library: a non-tensor by the wrapper
+    (before the dispatcher would name the schema instead), dtype and shape inside the op."""
+    buf, padded, _ = _counted_op_case("cpu")
+    W = padded.indices.shape[1]
+    served = dataclasses.replace(padded, indices=buf[:, :W])
+    for value, err, msg in ((buf[:, W].tolist(), TypeError, "index_counts must be a torch.Tensor"),
+                            (buf[:, W].long(), TypeError, "index_counts must have dtype int32, got int64"),
+                            (buf[:-1, W], ValueError, r"index_counts must have shape \[11\]")):
+        with pytest.raises(err, match=msg):
+            served.run(qsa.model.ops.sparse_paged_attention, route="reference", index_counts=value)
 
 
 def test_opcheck_select_and_cache_ops():
@@ -272,6 +371,10 @@ def test_fake_shapes():
                                                         1.0, 1.0, None, True, "auto")
         assert out.shape == (7, 4, 16) and out.dtype == torch.bfloat16
         assert lse.shape == (7, 4) and lse.dtype == torch.float32
+        counted = torch.ops.qsa.sparse_paged_attention(q, kv[:, 0], kv[:, 1], idx, bt, t2r, pos, seq, None, "auto",
+                                                       1.0, 1.0, None, False, "auto", None, False,
+                                                       torch.empty(7, 12, dtype=torch.int32)[:, 11])
+        assert counted[0].shape == (7, 4, 16) and counted[1].shape == (0,)
         sel = torch.ops.qsa.select_tokens(torch.empty(7, 4, 32), torch.empty(5, 2, 32), bt, t2r, pos, seq, 6,
                                           "triton", 8)
         assert sel.shape == (7, 27) and sel.dtype == torch.int32

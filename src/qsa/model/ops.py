@@ -4,7 +4,8 @@ and inside CUDA graphs.
 Registered ops (namespace ``qsa``), each with a fake (meta) implementation that only computes shapes:
 
 * ``qsa::sparse_paged_attention`` -- functional: returns ``(out, lse)`` (``lse`` is ``[0]`` unless
-  ``return_lse``); plans internally (logical order), so it needs no buffers from the caller.
+  ``return_lse``); plans internally (logical order), so it needs no buffers from the caller. Takes the
+  optional ``index_counts`` (``Tensor?``, last in the schema, default None) as the library does.
 * ``qsa::select_tokens`` -- functional: ``[rows, 4k + 3]`` int32 token selection.
 * ``qsa::write_kv`` -- mutates an interleaved ``[num_blocks, 2, block_size, Hkv, D]`` cache.
 * ``qsa::update_compressed_keys`` -- mutates the compressed-key cache, the partial groups and (when given)
@@ -27,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from .. import backend as backends
-from ..utils import as_finite_float, check_bool, check_int
+from ..utils import as_finite_float, check_bool, check_int, check_tensor
 
 # ----------------------------------------------------------------------------------------------
 # custom ops
@@ -39,13 +40,14 @@ def _sparse_paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
                                positions: torch.Tensor, seq_lens: torch.Tensor, gate: torch.Tensor | None,
                                kv_cache_dtype: str, k_scale: float, v_scale: float,
                                softmax_scale: float | None, return_lse: bool, route: str,
-                               max_query_len: int | None = None,
-                               rows_sorted: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                               max_query_len: int | None = None, rows_sorted: bool = False,
+                               index_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     from ..attention.api import sparse_paged_attention as spa
 
     res = spa(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, gate=gate,
               kv_cache_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, softmax_scale=softmax_scale,
-              return_lse=return_lse, route=route, max_query_len=max_query_len, rows_sorted=rows_sorted)
+              return_lse=return_lse, route=route, max_query_len=max_query_len, rows_sorted=rows_sorted,
+              index_counts=index_counts)
     if return_lse:
         return res
     return res, torch.empty((0,), dtype=torch.float32, device=q.device)
@@ -53,7 +55,8 @@ def _sparse_paged_attention_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 @_sparse_paged_attention_op.register_fake
 def _(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, gate, kv_cache_dtype,
-      k_scale, v_scale, softmax_scale, return_lse, route, max_query_len=None, rows_sorted=False):
+      k_scale, v_scale, softmax_scale, return_lse, route, max_query_len=None, rows_sorted=False,
+      index_counts=None):
     lse_shape = (q.shape[0], q.shape[1]) if return_lse else (0,)
     return (torch.empty(q.shape, dtype=q.dtype, device=q.device),
             torch.empty(lse_shape, dtype=torch.float32, device=q.device))
@@ -121,11 +124,16 @@ def _(raw_k, token_to_req, positions, kc_cache, block_table, partial, norm_weigh
 def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, *,
                            gate=None, kv_cache_dtype: str = "auto", k_scale: float = 1.0, v_scale: float = 1.0,
                            softmax_scale: float | None = None, return_lse: bool = False, route: str = "auto",
-                           max_query_len: int | None = None, rows_sorted: bool = False):
+                           max_query_len: int | None = None, rows_sorted: bool = False, index_counts=None):
     """:func:`qsa.sparse_paged_attention` through the ``qsa::sparse_paged_attention`` custom op
     (no ``out=``: the op is functional). Returns ``out`` or ``(out, lse)``. Forward-only: with grad mode on,
-    inputs that require grad raise a ValueError (use ``torch.no_grad()`` or detached tensors)."""
+    inputs that require grad raise a ValueError (use ``torch.no_grad()`` or detached tensors).
+    ``index_counts`` (optional ``[rows]`` int32, any stride) as in the library: row ``r`` is only its first
+    ``clamp(index_counts[r], 0, W)`` entries of ``indices``, and no entry past them is read."""
     from ..attention.api import check_forward_only
+
+    if index_counts is not None:  # the library's TypeError, not the dispatcher's, for a non-tensor
+        check_tensor("index_counts", index_counts)
 
     if isinstance(q, torch.Tensor):
         check_forward_only(q, gate if isinstance(gate, torch.Tensor) else None,
@@ -137,7 +145,7 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
         None if softmax_scale is None else as_finite_float("softmax_scale", softmax_scale),
         check_bool("return_lse", return_lse),
         route, None if max_query_len is None else check_int("max_query_len", max_query_len),
-        check_bool("rows_sorted", rows_sorted))
+        check_bool("rows_sorted", rows_sorted), index_counts)
     return (out, lse) if return_lse else out
 
 
