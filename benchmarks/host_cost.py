@@ -149,13 +149,14 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path)
     p.add_argument("--profile", type=Path, help="write a cProfile of the first step's auto call here")
     p.add_argument("--device", default="auto")
-    p.add_argument("--replay", action="store_true", help="eager calls replay their recorded launches "
-                                                          "(settings.REPLAY_STEPS)")
+    p.add_argument("--replay", action=argparse.BooleanOptionalAction, default=None,
+                   help="eager calls replay their recorded launches, or (--no-replay) take the full path "
+                        "(settings.REPLAY_STEPS; default: as shipped)")
     args = p.parse_args(argv)
-    if args.replay:
+    if args.replay is not None:
         from qsa import settings
 
-        settings.REPLAY_STEPS = True
+        settings.REPLAY_STEPS = args.replay
 
     import torch
 

@@ -7,8 +7,9 @@ shard, fills a paged context for ``--requests`` requests of ``--context`` tokens
 * decode: one row per request;
 
 each called eagerly, replayed from a CUDA graph, and (``--compile``) called through ``torch.compile`` of
-the layer, with CUDA events (median of ``--reps``; the all-reduce included). ``--replay`` turns on
-``settings.REPLAY_STEPS`` (eager calls replay their recorded launches). Rank 0 reports.
+the layer, with CUDA events (median of ``--reps``; the all-reduce included). ``--replay`` /
+``--no-replay`` set ``settings.REPLAY_STEPS`` (eager calls replay their recorded launches, or not). Rank 0
+reports.
 
 Run from the checkout root: ``PYTHONPATH=src python -m benchmarks.tp_step [--tp 1 2] [--context 8192]``;
 ``--json benchmarks/results/tp-step-latest-nvidia-h200.json`` replaces the kept result (the one before it is
@@ -100,7 +101,8 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
     from qsa.model.tp import destroy, init_local_group, TPInfo
     from qsa import settings
 
-    settings.REPLAY_STEPS = args.replay
+    if args.replay is not None:
+        settings.REPLAY_STEPS = args.replay
 
     faulthandler.dump_traceback_later(args.watchdog, exit=True)  # a hung rank prints where it is
     t0 = time.time()
@@ -183,8 +185,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="print the kernels of one eager decode step (rank 0)")
     p.add_argument("--compile", action="store_true", help="also time each step through torch.compile of the layer")
-    p.add_argument("--replay", action="store_true", help="eager calls replay their recorded launches "
-                                                          "(settings.REPLAY_STEPS)")
+    p.add_argument("--replay", action=argparse.BooleanOptionalAction, default=None,
+                   help="eager calls replay their recorded launches, or (--no-replay) take the full path "
+                        "(settings.REPLAY_STEPS; default: as shipped)")
     p.add_argument("--watchdog", type=float, default=240, help="seconds before a rank dumps its stack and exits")
     p.add_argument("--json", default=None,
                    help="also write the rows (with device and settings) to this file; the repository keeps the "

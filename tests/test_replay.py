@@ -108,6 +108,52 @@ def case_like(case, q):
     return replace(case, q=q)
 
 
+def plan_into(case, plan=None, route="auto"):
+    c = case.cache
+    return qsa.plan_attention(case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens,
+                              block_size=c.block_size, num_blocks=c.num_blocks, num_q_heads=2, num_kv_heads=1,
+                              head_dim=16, route=route, out=plan, max_query_len=5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("route", ["auto", "grouped", "xqa", "splitk", "invariant"])
+def test_a_refilled_plan_replays_its_planning_and_its_run(device, route):
+    """A plan refilled (``out=``) with a new selection of the same shapes, pages moved, replays the planner
+    launches into its buffers and then its recorded run: the full path's bits, checked against the
+    reference."""
+    first = case_for(device)
+    plan = plan_into(first, plan_into(first, route=route), route=route)  # recorded by the second planning
+    recorded = plan.plan_replay
+    assert recorded is not None and isinstance(recorded[2], replay.Replay), "the refill recorded no replay"
+    qsa.run_attention(plan, first.q, first.cache.k, first.cache.v, return_lse=True)
+    second = moved(first, seed=11)
+    assert plan_into(second, plan, route=route) is plan and plan.plan_replay is recorded, "the refill was not replayed"
+    assert plan.inputs.indices is second.indices
+    got = qsa.run_attention(plan, second.q, second.cache.k, second.cache.v, return_lse=True)
+    assert plan.replays.hits == 1, "the run of the refilled plan was not replayed"
+    full = call(second, route=route, max_query_len=5)
+    assert_bitwise(got, full, f"{route} refilled plan replay vs full path")
+    check_against_reference(second, got, name=f"{route} refilled plan replay")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_planning_replay_that_read_the_old_selection_is_caught(device):
+    """Known-wrong variant: a planning replay whose launches lost the slot of ``indices`` plans the first
+    selection again; the comparison with the full path above must reject it."""
+    first = case_for(device)
+    plan = plan_into(first, plan_into(first, route="grouped"), route="grouped")
+    step = plan.plan_replay[2]
+    for kind, *rest in step.steps:
+        if kind == "launch":
+            rest[0].slots = [s for s in rest[0].slots if s[1] != "indices"]
+    step.names.discard("indices")
+    second = moved(first, seed=13)
+    plan_into(second, plan, route="grouped")
+    stale = qsa.run_attention(plan, second.q, second.cache.k, second.cache.v, return_lse=True)
+    full = call(second, route="grouped", max_query_len=5)
+    assert not torch.equal(stale[0].nan_to_num(), full[0].nan_to_num()), "a stale selection went unnoticed"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_temporary_argument_is_never_replayed(device):
     """A negative softmax scale makes the launchers pass a negated copy of q: no input, no owned buffer.
@@ -302,3 +348,34 @@ def test_launch_hooks_unset_reads_an_empty_chain_as_unset():
 
     assert replay._unhooked(None) and replay._unhooked(Chain([]))
     assert not replay._unhooked(Chain([print])) and not replay._unhooked(print)
+
+
+class Held:
+    def __init__(self, nbytes):
+        self.nbytes = nbytes
+
+
+def test_the_cache_drops_the_oldest_steps_past_its_byte_budget(monkeypatch):
+    """Past ``REPLAY_CACHE_BYTES`` the least recently used steps go, the newest stays whatever its size;
+    a step put again under its key is counted once."""
+    monkeypatch.setattr(settings, "REPLAY_CACHE_BYTES", 100)
+    cache = replay.ReplayCache()
+    cache.get("a")
+    cache.put("a", Held(40))
+    cache.put("b", Held(40))
+    cache.put("b", Held(40))
+    assert list(cache.entries) == ["a", "b"] and cache.nbytes == 80
+    cache.get("a")  # a is now the most recently used
+    cache.put("c", Held(40))
+    assert list(cache.entries) == ["a", "c"] and cache.nbytes == 80
+    cache.put("d", None)  # an unreplayable key holds nothing
+    cache.put("e", Held(500))
+    assert list(cache.entries) == ["e"] and cache.nbytes == 500
+
+
+def test_a_replay_counts_the_buffers_it_holds_not_its_inputs():
+    q, out, scratch = torch.zeros(64), torch.zeros(64), torch.zeros(32, dtype=torch.float64)
+    kernel, compiled = StandInKernel(["q", "out", "x"]), StandInCompiled()
+    step = replay.Replay(recorded(kernel, compiled, (q, out, scratch), {}), dict(q=q, out=out), [scratch, scratch[8:]],
+                         cuda=True)
+    assert step.nbytes == 32 * 8

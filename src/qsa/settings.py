@@ -193,6 +193,10 @@ GPU (``tests/test_replay.py -m gpu`` is that check)."""
 REPLAY_CACHE_SIZE = 32
 """Shapes whose recorded launches (and the buffers they own) are kept, per cache, least recently used
 dropped first."""
+REPLAY_CACHE_BYTES = 512 << 20
+"""Device memory the recorded steps of one cache may hold in their plans' buffers (work lists, partials,
+scratch), least recently used dropped first past it; the newest step is kept whatever its size (an
+8192-row grouped plan at W = 2051 holds about 130 MB)."""
 
 # --- Selection -----------------------------------------------------------------------------------
 

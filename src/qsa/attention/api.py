@@ -158,6 +158,7 @@ class AttentionPlan:
         if not isinstance(self.inputs, PlanInputs):
             self.inputs = PlanInputs(*self.inputs)
         self.replays = replay.ReplayCache()  # run_attention's recorded launches, by activation layout
+        self.plan_replay = None  # (fingerprint, environment, Replay or None) of the last planning into this plan
 
     @property
     def num_rows(self) -> int:
@@ -214,7 +215,56 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
     plan records their version counters, and :func:`run_attention` refuses (ValueError) a plan whose inputs
     were modified in place by torch ops since (not checked: tensors made under ``torch.inference_mode()``,
     which have no version counter, and writes outside torch, such as CUDA-graph replay).
+
+    With ``settings.REPLAY_STEPS`` on a GPU, planning into ``out`` again with inputs of the fingerprint it
+    was last planned with (every input's shape, strides, dtype and device, the other arguments, the
+    stream, the settings) replays the planner launches recorded then, with the new inputs' pointers, into
+    the same buffers (:mod:`qsa.attention.replay`): the checks and decisions are not repeated, and the
+    plan's recorded runs stay valid.
     """
+    if type(out) is AttentionPlan and workspace is None and type(route) in replay.PLAIN \
+            and type(max_query_len) in replay.PLAIN and type(rows_sorted) in replay.PLAIN \
+            and type(order) in replay.PLAIN and type(kv_cache_dtype) in replay.PLAIN \
+            and type(indices) is torch.Tensor and replay.usable(indices.device):
+        device = indices.device
+        try:
+            stream = replay.current_stream(device)
+            key = (block_size, num_blocks, num_q_heads, num_kv_heads, head_dim, route, order, max_query_len,
+                   rows_sorted, kv_cache_dtype, stream, replay.tensor_key(indices), replay.tensor_key(block_table),
+                   replay.tensor_key(token_to_req), replay.tensor_key(positions), replay.tensor_key(seq_lens),
+                   replay.tensor_key(index_counts))
+        except (AttributeError, TypeError):
+            key = None
+        if key is not None:
+            env = replay.environment()
+            last = out.plan_replay
+            inputs = dict(indices=indices, block_table=block_table, token_to_req=token_to_req, positions=positions,
+                          seq_lens=seq_lens, index_counts=index_counts)
+            if last is not None and last[0] == key and last[1] == env and last[2] is not None \
+                    and last[2](inputs, stream):
+                out.inputs = PlanInputs(indices, block_table, token_to_req, positions, seq_lens, index_counts)
+                return out
+            with replay.Recorder() as rec:
+                _plan_full(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
+                           num_q_heads, num_kv_heads, head_dim, route, out, None, order, max_query_len, rows_sorted,
+                           kv_cache_dtype, index_counts)
+            try:
+                step = replay.Replay(rec, inputs, replay.tensors_of(out, []),
+                                     cuda=device.type == "cuda" and not replay.backend.interpreter_enabled(),
+                                     device_index=device.index or 0)
+            except replay.Uncacheable:
+                step = None
+            out.plan_replay = (key, env, step)
+            return out
+    return _plan_full(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks, num_q_heads,
+                      num_kv_heads, head_dim, route, out, workspace, order, max_query_len, rows_sorted, kv_cache_dtype,
+                      index_counts)
+
+
+def _plan_full(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks, num_q_heads,
+               num_kv_heads, head_dim, route, out, workspace, order, max_query_len, rows_sorted, kv_cache_dtype,
+               index_counts) -> AttentionPlan:
+    """plan_attention's full path: every check, every decision, the planner launches."""
     if order not in ("logical", "physical"):
         raise ValueError(f"order must be 'logical' or 'physical', got {order!r}")
     if kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -264,6 +314,7 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
     for f in fields(AttentionPlan):  # a caller holding ``out`` runs what was just planned
         setattr(out, f.name, getattr(plan, f.name))
     out.replays = plan.replays  # the launches recorded for the old plan describe its buffers only
+    out.plan_replay = None
     return out
 
 
@@ -372,15 +423,15 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
                     plan.inputs.check_unchanged()
                     check_forward_only(q, gate, k_cache, v_cache)
                     o, lse = _outputs(q, out, return_lse)
-                    if entry(dict(q=q, k_cache=k_cache, v_cache=v_cache, gate=gate, out=o, lse=lse), stream):
+                    if entry(_run_inputs(plan, q, k_cache, v_cache, gate, o, lse), stream):
                         return (o, lse) if return_lse else o
                 if entry is plan.replays:
                     with replay.Recorder() as rec:
                         result = _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_scale,
                                               softmax_scale, out, return_lse)
                     o, lse = result if return_lse else (result, None)
-                    plan.replays.put(key, _replay_of(rec, dict(q=q, k_cache=k_cache, v_cache=v_cache, gate=gate,
-                                                                out=o, lse=lse), plan, device))
+                    plan.replays.put(key, _replay_of(rec, _run_inputs(plan, q, k_cache, v_cache, gate, o, lse), plan,
+                                                     device))
                     return result
     return _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_scale, softmax_scale, out,
                         return_lse)
@@ -394,10 +445,19 @@ def _outputs(q, out, return_lse: bool):
     return out, lse
 
 
+def _run_inputs(plan: AttentionPlan, q, k_cache, v_cache, gate, out, lse) -> dict:
+    """A run's named inputs: the activations, the outputs, and the plan's inputs as they are now (a plan
+    refilled into the same buffers by a replayed :func:`plan_attention` holds new ones)."""
+    inputs = plan.inputs
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, gate=gate, out=out, lse=lse, indices=inputs.indices,
+                block_table=inputs.block_table, token_to_req=inputs.token_to_req, positions=inputs.positions,
+                seq_lens=inputs.seq_lens, index_counts=inputs.index_counts)
+
+
 def _replay_of(rec: replay.Recorder, inputs: dict, plan: AttentionPlan, device) -> replay.Replay | None:
     """The recorded launches as a replay, or None where they cannot be replayed."""
     try:
-        return replay.Replay(rec, inputs, replay.tensors_of(plan, []) + replay.tensors_of(plan.inputs.as_tuple(), []),
+        return replay.Replay(rec, inputs, replay.tensors_of(plan, []),
                              cuda=device.type == "cuda" and not replay.backend.interpreter_enabled(),
                              device_index=device.index or 0)
     except replay.Uncacheable:

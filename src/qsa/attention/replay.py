@@ -129,6 +129,8 @@ class Replay:
         keep = [t for t in keep + rec.owned if t.data_ptr() not in by_ptr]  # the inputs are not held
         own = {t.data_ptr() for t in keep}
         self.keep = keep  # alive as long as the replay
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in keep}
+        self.nbytes = sum(storages.values())  # the device memory the replay holds
         self.cuda = cuda
         self.aligned = set()  # inputs whose pointer a compiled kernel takes as 16-byte aligned
         self.names = set()
@@ -259,13 +261,15 @@ def current_stream(device: torch.device) -> int:
 
 
 class ReplayCache:
-    """Replays by fingerprint, the least recently used dropped past ``settings.REPLAY_CACHE_SIZE``; a key
-    that could not be replayed maps to None (its calls take the full path without recording again)."""
+    """Replays by fingerprint, the least recently used dropped past ``settings.REPLAY_CACHE_SIZE`` entries
+    or past ``settings.REPLAY_CACHE_BYTES`` of buffers held (the newest is always kept); a key that could
+    not be replayed maps to None (its calls take the full path without recording again)."""
 
     def __init__(self):
         self.entries = OrderedDict()
         self.env = None
         self.hits = 0
+        self.nbytes = 0
 
     def get(self, key):
         env = environment()
@@ -280,10 +284,16 @@ class ReplayCache:
         return entry  # self: never seen
 
     def put(self, key, replay) -> None:
+        old = self.entries.pop(key, None)
+        self.nbytes -= getattr(old, "nbytes", 0)
         self.entries[key] = replay
-        while len(self.entries) > settings.REPLAY_CACHE_SIZE:
-            self.entries.popitem(last=False)
+        self.nbytes += getattr(replay, "nbytes", 0)
+        while len(self.entries) > 1 and (len(self.entries) > settings.REPLAY_CACHE_SIZE
+                                         or self.nbytes > settings.REPLAY_CACHE_BYTES):
+            _, dropped = self.entries.popitem(last=False)
+            self.nbytes -= getattr(dropped, "nbytes", 0)
 
     def clear(self) -> None:
         self.entries.clear()
         self.hits = 0
+        self.nbytes = 0
