@@ -165,10 +165,9 @@ class ForwardPlans:
       made (vLLM runs each capture size eagerly before capturing it), and the graph holds no plan memory
       of its own.
     * Eager forwards: no plan buffers are allocated per layer after the first forward of a shape (qsa's
-      planners may still take small per-call temporaries). The host work of a layer is a plain call's:
-      ``plan_attention`` plus ``run_attention``. (With ``qsa.settings.REPLAY_STEPS`` on, plain calls
-      replay recorded launches, which a refilled plan does not: there, eager forwards are cheaper without
-      ``plans=``.)
+      planners may still take small per-call temporaries). With ``qsa.settings.REPLAY_STEPS`` on, a
+      layer whose batch shape is the one its plan was last filled for replays the recorded planner and
+      attention launches, as a plain call of a seen shape does.
 
     CUDA graphs: a plan made outside capture may be captured by any number of graphs (they and eager
     forwards use it in stream order, each refilling it before running it); once captured it is kept until
