@@ -379,3 +379,18 @@ def test_a_replay_counts_the_buffers_it_holds_not_its_inputs():
     step = replay.Replay(recorded(kernel, compiled, (q, out, scratch), {}), dict(q=q, out=out), [scratch, scratch[8:]],
                          cuda=True)
     assert step.nbytes == 32 * 8
+
+
+def test_a_launch_of_something_else_than_a_triton_kernel_is_never_replayed():
+    """A launcher given a stand-in for a kernel (tests swap kernels for known-wrong variants) records a
+    launch that has no compiled handle: the record is refused (Uncacheable), the call keeps its full path."""
+    q, out = torch.zeros(64), torch.zeros(64)
+
+    class NotAKernel:
+        fn = print
+
+        def __getitem__(self, grid):
+            return lambda *args, **kwargs: None
+
+    with pytest.raises(replay.Uncacheable, match="not a compiled Triton kernel"):
+        replay.Replay(recorded(NotAKernel(), StandInCompiled(), (q, out, 0), {}), dict(q=q, out=out), [], cuda=True)

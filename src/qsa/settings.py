@@ -185,11 +185,11 @@ PLANNER_SCRATCH_BYTES = 256 << 20
 
 # --- Eager calls ---------------------------------------------------------------------------------
 
-REPLAY_STEPS = False
+REPLAY_STEPS = True
 """Eager calls on a GPU replay the launches recorded by the first call of their shape
-(:mod:`qsa.attention.replay`) instead of checking, deciding and binding again. Off by default: the
-compiled-handle path has been checked under the interpreter and against a stand-in launcher, not yet on a
-GPU (``tests/test_replay.py -m gpu`` is that check)."""
+(:mod:`qsa.attention.replay`) instead of checking, deciding and binding again (``tests/test_replay.py``
+checks the bits against the full path, on the GPU with the compiled handles). Off: every call takes the
+full path."""
 REPLAY_CACHE_SIZE = 32
 """Shapes whose recorded launches (and the buffers they own) are kept, per cache, least recently used
 dropped first."""

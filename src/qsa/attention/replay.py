@@ -159,7 +159,10 @@ class Replay:
             L = _Launch()
             L.kernel, L.grid, L.kwargs, L.slots = kernel, grid, kwargs, slots
             if cuda:
-                binder = kernel.device_caches[device_index][4]
+                caches = getattr(kernel, "device_caches", None)  # a Triton JIT function's; a stand-in has none
+                if caches is None or device_index not in caches or not hasattr(compiled, "run"):
+                    raise Uncacheable(f"{type(kernel).__name__} is not a compiled Triton kernel")
+                binder = caches[device_index][4]
                 bound, _, _ = binder(*args, **kwargs)
                 template = list(bound.values())
                 for j, v in enumerate(template):
