@@ -517,9 +517,28 @@ BAD = [
 
 @pytest.mark.parametrize("what,exc,match", BAD, ids=[w for w, _, _ in BAD])
 def test_bad_arguments_raise_naming_them(what, exc, match, device):
+    """Each bad argument is refused, also right after its batch's good layout passed the checks (the
+    adapter remembers passed layouts: a bad one must never be taken for one)."""
     b = make_batch(device, specials=False)
+    k, v = b.kv
+    good = (b.q, k, v, b.logical_indices, b.block_table, False, b.gate, None)
+    qv._checked_args(*good)
+    assert qv._PASSED, "the good layout was not remembered"
     with pytest.raises(exc, match=match):
         qv.qsa_sparse_paged_attention(**_bad(b, what))
+
+
+def test_a_remembered_layout_gives_the_checks_verdict():
+    """The remembered verdict is the checks' own: the cache dtype, and the gate as the op takes it (viewed
+    as q where it comes flat)."""
+    b = make_batch("cpu", specials=False)
+    k, v = b.kv
+    flat = b.gate.reshape(b.q.shape[0], -1)
+    for gate in (b.gate, flat):
+        args = (b.q, k, v, b.logical_indices, b.block_table, True, gate, None)
+        first, second = qv._checked_args(*args), qv._checked_args(*args)
+        assert first[0] == second[0] == qv._check_args(*args)[0] == "auto"
+        assert second[1].shape == b.q.shape and second[1].data_ptr() == gate.data_ptr()
 
 
 def test_importing_qsa_never_imports_vllm():

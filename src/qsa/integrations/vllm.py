@@ -120,8 +120,8 @@ def qsa_sparse_paged_attention(q, k_cache, v_cache, logical_indices, block_table
 
     No host synchronisation: the call can be captured in a CUDA graph.
     """
-    kv_cache_dtype, gate = _check_args(q, k_cache, v_cache, logical_indices, block_table, use_prefill_config,
-                                       output_gate, plans)
+    kv_cache_dtype, gate = _checked_args(q, k_cache, v_cache, logical_indices, block_table, use_prefill_config,
+                                         output_gate, plans)
     width = logical_indices.shape[1] - 1
     indices = logical_indices[:, :width]       # [rows, W], row stride W + 1
     index_counts = logical_indices[:, width]   # [rows], stride W + 1
@@ -310,6 +310,38 @@ _BOUNDS = _BoundVectors()
 def _capturing(device: torch.device) -> bool:
     """Whether the current CUDA stream of ``device`` is capturing a graph."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+_PASSED: dict = {}
+"""Layouts :func:`_check_args` passed: ``(shape, strides, dtype, device)`` of each checked tensor and the
+host arguments -> ``kv_cache_dtype``. Every check it makes is a function of these, so a call of a layout
+seen before skips them (a serving engine calls with a few layouts, step after step)."""
+_PASSED_MAX = 256
+
+
+def _checked_args(q, k_cache, v_cache, logical_indices, block_table, use_prefill_config, output_gate, plans):
+    """:func:`_check_args`, its verdict remembered per layout."""
+    try:
+        key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
+               v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, logical_indices.shape,
+               logical_indices.stride(), logical_indices.dtype, logical_indices.device, block_table.shape,
+               block_table.stride(), block_table.dtype, block_table.device, output_gate.shape, output_gate.stride(),
+               output_gate.dtype, output_gate.device, type(use_prefill_config), use_prefill_config, type(plans),
+               type(q), type(k_cache), type(v_cache), type(logical_indices), type(block_table), type(output_gate))
+        kv_cache_dtype = _PASSED.get(key)
+    except (AttributeError, TypeError):  # not tensors: the checks name the argument
+        key = kv_cache_dtype = None
+    if kv_cache_dtype is not None:
+        gate = output_gate if output_gate.shape == q.shape and output_gate.stride(2) == 1 else output_gate.view(q.shape)
+        return kv_cache_dtype, gate
+    kv_cache_dtype, gate = _check_args(q, k_cache, v_cache, logical_indices, block_table, use_prefill_config,
+                                       output_gate, plans)
+    if key is not None and all(type(t) is torch.Tensor for t in (q, k_cache, v_cache, logical_indices, block_table,
+                                                                  output_gate)):
+        if len(_PASSED) >= _PASSED_MAX:
+            _PASSED.clear()
+        _PASSED[key] = kv_cache_dtype
+    return kv_cache_dtype, gate
 
 
 def _check_args(q, k_cache, v_cache, logical_indices, block_table, use_prefill_config, output_gate, plans):
