@@ -136,6 +136,28 @@ def test_a_refilled_plan_replays_its_planning_and_its_run(device, route):
     check_against_reference(second, got, name=f"{route} refilled plan replay")
 
 
+def test_a_planning_that_cannot_be_replayed_is_not_recorded_again():
+    """A plan in physical order is sorted through a temporary (no input, not owned): its layout is marked
+    unreplayable once, and later refills take the full path without recording (the mark stays)."""
+    first = case_for("cpu")
+    c = first.cache
+
+    def physical(case, plan):
+        return qsa.plan_attention(case.indices, case.block_table, case.token_to_req, case.positions,
+                                  case.seq_lens, block_size=c.block_size, num_blocks=c.num_blocks, num_q_heads=2,
+                                  num_kv_heads=1, head_dim=16, route="grouped", order="physical", out=plan)
+
+    plan = physical(first, physical(first, None))
+    mark = plan.plan_replay
+    assert mark is not None and mark[2] is None
+    second = moved(first, seed=17)
+    assert physical(second, plan).plan_replay is mark, "an unreplayable layout was recorded again"
+    assert plan.inputs.indices is second.indices
+    got = qsa.run_attention(plan, second.q, second.cache.k, second.cache.v, return_lse=True)
+    assert_bitwise(got, qsa.run_attention(physical(second, None), second.q, second.cache.k, second.cache.v,
+                                          return_lse=True), "unreplayed refill vs a new plan")
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_planning_replay_that_read_the_old_selection_is_caught(device):
     """Known-wrong variant: a planning replay whose launches lost the slot of ``indices`` plans the first

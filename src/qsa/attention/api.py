@@ -240,10 +240,16 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
             last = out.plan_replay
             inputs = dict(indices=indices, block_table=block_table, token_to_req=token_to_req, positions=positions,
                           seq_lens=seq_lens, index_counts=index_counts)
-            if last is not None and last[0] == key and last[1] == env and last[2] is not None \
-                    and last[2](inputs, stream):
-                out.inputs = PlanInputs(indices, block_table, token_to_req, positions, seq_lens, index_counts)
-                return out
+            if last is not None and last[0] == key and last[1] == env:
+                if last[2] is None:  # a layout whose planning cannot be replayed: the full path, unrecorded
+                    _plan_full(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
+                               num_q_heads, num_kv_heads, head_dim, route, out, None, order, max_query_len,
+                               rows_sorted, kv_cache_dtype, index_counts)
+                    out.plan_replay = last
+                    return out
+                if last[2](inputs, stream):
+                    out.inputs = PlanInputs(indices, block_table, token_to_req, positions, seq_lens, index_counts)
+                    return out
             with replay.Recorder() as rec:
                 _plan_full(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
                            num_q_heads, num_kv_heads, head_dim, route, out, None, order, max_query_len, rows_sorted,
