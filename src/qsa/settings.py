@@ -21,6 +21,7 @@ interpreter; read when the kernels are defined, so set it before importing qsa) 
 from __future__ import annotations
 
 import sys
+import types
 from dataclasses import dataclass
 
 # --- Launch settings records --------------------------------------------------------------------
@@ -217,7 +218,7 @@ CLEAR_PAGES_TILE = (64, 64)
 # --- Change counter ------------------------------------------------------------------------------
 
 
-class _Settings(sys.modules[__name__].__class__):
+class _Settings(types.ModuleType):
     """This module's type: every assignment or deletion of a setting bumps :data:`CHANGES`, so code that
     caches a decision taken from the settings (the replayed steps of :mod:`qsa.attention.replay`) checks one
     integer instead of comparing every setting. Assign a new value to change a setting; a value changed in

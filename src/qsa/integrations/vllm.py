@@ -77,6 +77,7 @@ from collections import OrderedDict
 import torch
 
 from ..attention.api import AttentionPlan, plan_attention, run_attention, sparse_paged_attention
+from ..attention.replay import tensor_key
 from ..attention.routing import HEAD_DIMS
 from ..utils import check_bool, check_int, check_tensor, same_device, type_name
 
@@ -233,8 +234,8 @@ class ForwardPlans:
         self._captured = {}
 
     def __repr__(self) -> str:
-        return (f"ForwardPlans(shapes={len(self._plans)}, captured={len(self._pinned)}, forwards={self.forwards}, calls={self.calls}, "
-                f"max_query_len={self.max_query_len})")
+        return (f"ForwardPlans(shapes={len(self._plans)}, captured={len(self._pinned)}, forwards={self.forwards}, "
+                f"calls={self.calls}, max_query_len={self.max_query_len})")
 
     def _attention(self, q, k_cache, v_cache, indices, index_counts, block_table, token_to_req, positions, seq_lens,
                    gate, out, kv_cache_dtype, k_scale, v_scale, max_query_len):
@@ -267,7 +268,6 @@ class ForwardPlans:
         self.calls += 1
         return run_attention(plan, q, k_cache, v_cache, gate=gate, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
                              v_scale=v_scale, out=out)
-
 
     def _evict(self) -> None:
         """Free the least recently used plans no graph captured, past ``max_eager_plans`` of them."""
@@ -313,31 +313,26 @@ def _capturing(device: torch.device) -> bool:
 
 
 _PASSED: dict = {}
-"""Layouts :func:`_check_args` passed: ``(shape, strides, dtype, device)`` of each checked tensor and the
-host arguments -> ``kv_cache_dtype``. Every check it makes is a function of these, so a call of a layout
-seen before skips them (a serving engine calls with a few layouts, step after step)."""
+"""Layouts :func:`_check_args` passed: each checked tensor's ``replay.tensor_key`` (shape, strides, dtype,
+device) and the host arguments -> ``kv_cache_dtype``. Every check it makes is a function of these, so a
+call of a layout seen before skips them (a serving engine calls with a few layouts, step after step)."""
 _PASSED_MAX = 256
 
 
 def _checked_args(q, k_cache, v_cache, logical_indices, block_table, use_prefill_config, output_gate, plans):
-    """:func:`_check_args`, its verdict remembered per layout."""
-    try:
-        key = (q.shape, q.stride(), q.dtype, q.device, k_cache.shape, k_cache.stride(), k_cache.dtype, k_cache.device,
-               v_cache.shape, v_cache.stride(), v_cache.dtype, v_cache.device, logical_indices.shape,
-               logical_indices.stride(), logical_indices.dtype, logical_indices.device, block_table.shape,
-               block_table.stride(), block_table.dtype, block_table.device, output_gate.shape, output_gate.stride(),
-               output_gate.dtype, output_gate.device, type(use_prefill_config), use_prefill_config, type(plans),
-               type(q), type(k_cache), type(v_cache), type(logical_indices), type(block_table), type(output_gate))
+    """:func:`_check_args`, its verdict remembered per layout (plain tensors only)."""
+    tensors = (q, k_cache, v_cache, logical_indices, block_table, output_gate)
+    key = None
+    if all(type(t) is torch.Tensor for t in tensors):
+        key = (*map(tensor_key, tensors), type(use_prefill_config), use_prefill_config, type(plans))
         kv_cache_dtype = _PASSED.get(key)
-    except (AttributeError, TypeError):  # not tensors: the checks name the argument
-        key = kv_cache_dtype = None
-    if kv_cache_dtype is not None:
-        gate = output_gate if output_gate.shape == q.shape and output_gate.stride(2) == 1 else output_gate.view(q.shape)
-        return kv_cache_dtype, gate
+        if kv_cache_dtype is not None:
+            gate = output_gate if output_gate.shape == q.shape and output_gate.stride(2) == 1 else \
+                output_gate.view(q.shape)
+            return kv_cache_dtype, gate
     kv_cache_dtype, gate = _check_args(q, k_cache, v_cache, logical_indices, block_table, use_prefill_config,
                                        output_gate, plans)
-    if key is not None and all(type(t) is torch.Tensor for t in (q, k_cache, v_cache, logical_indices, block_table,
-                                                                  output_gate)):
+    if key is not None:
         if len(_PASSED) >= _PASSED_MAX:
             _PASSED.clear()
         _PASSED[key] = kv_cache_dtype
