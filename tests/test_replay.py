@@ -337,6 +337,57 @@ def test_the_compiled_path_launches_new_pointers_into_the_recorded_arguments():
     assert call[10:] == (out2.data_ptr(), scratch.data_ptr(), 7, 0.5, 16)
 
 
+class StandInLauncher:
+    """Stands in for Triton 3.6's launcher object: scratch sizes, launch flags and a C ``launch`` that
+    records its arguments; called itself, it records that it was."""
+
+    launch_cooperative_grid, launch_pdl = False, True
+
+    def __init__(self, scratch=0):
+        self.global_scratch_size = scratch
+        self.profile_scratch_size = 0
+        self.direct, self.calls = [], []
+
+    def launch(self, *args):
+        self.direct.append(args)
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+class StandInLaunched(StandInCompiled):
+    def __init__(self, scratch=0):
+        super().__init__()
+        self.run = StandInLauncher(scratch)
+
+
+def test_a_kernel_without_scratch_is_launched_through_the_c_launcher():
+    """The C ``launch`` gets the grid, the call's stream, the function, the two launch flags, no scratch,
+    the packed metadata, no launch metadata, no hooks, then the arguments with the new pointers."""
+    q, out = torch.zeros(64), torch.zeros(64)
+    kernel, compiled = StandInKernel(["q", "out", "n"]), StandInLaunched()
+    step = replay.Replay(recorded(kernel, compiled, (q, out, 5), dict(BLOCK=8)), dict(q=q, out=out), [], cuda=True,
+                         stream=11)
+    q2, out2 = torch.zeros(64), torch.zeros(64)
+    assert step(dict(q=q2, out=out2), stream=11) and step(dict(q=q, out=out2), stream=12)
+    assert compiled.run.calls == []
+    first, second = compiled.run.direct
+    assert first == (3, 2, 1, 11, "function", False, True, None, None, "metadata", None, None, None,
+                     q2.data_ptr(), out2.data_ptr(), 5, 8)
+    assert second[3] == 12 and second[13:15] == (q.data_ptr(), out2.data_ptr())
+
+
+def test_a_kernel_with_scratch_goes_through_the_launcher_object():
+    """Known-wrong for the direct path: a kernel that needs global scratch must not be launched by the C
+    function with no scratch pointer; Triton's launcher object allocates it."""
+    q, out = torch.zeros(64), torch.zeros(64)
+    kernel, compiled = StandInKernel(["q", "out"]), StandInLaunched(scratch=128)
+    step = replay.Replay(recorded(kernel, compiled, (q, out), {}), dict(q=q, out=out), [], cuda=True)
+    assert step(dict(q=q, out=out), stream=4)
+    assert compiled.run.direct == []
+    assert compiled.run.calls == [(3, 2, 1, 4, "function", "metadata", None, None, None, q.data_ptr(), out.data_ptr())]
+
+
 def test_the_compiled_path_refuses_a_misaligned_input_before_launching():
     q, out = torch.zeros(64), torch.zeros(64)
     kernel, compiled = StandInKernel(["q", "out"]), StandInCompiled()
@@ -382,12 +433,12 @@ def test_the_cache_drops_the_oldest_steps_past_its_byte_budget(monkeypatch):
     a step put again under its key is counted once."""
     monkeypatch.setattr(settings, "REPLAY_CACHE_BYTES", 100)
     cache = replay.ReplayCache()
-    cache.get("a")
+    cache.get("a", ())
     cache.put("a", Held(40))
     cache.put("b", Held(40))
     cache.put("b", Held(40))
     assert list(cache.entries) == ["a", "b"] and cache.nbytes == 80
-    cache.get("a")  # a is now the most recently used
+    cache.get("a", ())  # a is now the most recently used
     cache.put("c", Held(40))
     assert list(cache.entries) == ["a", "c"] and cache.nbytes == 80
     cache.put("d", None)  # an unreplayable key holds nothing

@@ -225,10 +225,10 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
     if type(out) is AttentionPlan and workspace is None and type(route) in replay.PLAIN \
             and type(max_query_len) in replay.PLAIN and type(rows_sorted) in replay.PLAIN \
             and type(order) in replay.PLAIN and type(kv_cache_dtype) in replay.PLAIN \
-            and type(indices) is torch.Tensor and replay.usable(indices.device):
+            and type(indices) is torch.Tensor and (ctx := replay.context(indices.device)) is not None:
         device = indices.device
+        stream, env = ctx
         try:
-            stream = replay.current_stream(device)
             key = (block_size, num_blocks, num_q_heads, num_kv_heads, head_dim, route, order, max_query_len,
                    rows_sorted, kv_cache_dtype, stream, replay.tensor_key(indices), replay.tensor_key(block_table),
                    replay.tensor_key(token_to_req), replay.tensor_key(positions), replay.tensor_key(seq_lens),
@@ -236,7 +236,6 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
         except (AttributeError, TypeError):
             key = None
         if key is not None:
-            env = replay.environment()
             last = out.plan_replay
             inputs = dict(indices=indices, block_table=block_table, token_to_req=token_to_req, positions=positions,
                           seq_lens=seq_lens, index_counts=index_counts)
@@ -257,7 +256,7 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
             try:
                 step = replay.Replay(rec, inputs, replay.tensors_of(out, []),
                                      cuda=device.type == "cuda" and not replay.backend.interpreter_enabled(),
-                                     device_index=device.index or 0)
+                                     device_index=device.index or 0, stream=stream)
             except replay.Uncacheable:
                 step = None
             out.plan_replay = (key, env, step)
@@ -414,17 +413,18 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
     if type(plan) is AttentionPlan and type(q) is torch.Tensor and plan.routes.route != "reference":
         device = q.device
         plain = replay.PLAIN
-        if replay.usable(device) and type(k_scale) in plain and type(v_scale) in plain \
-                and type(softmax_scale) in plain and type(kv_cache_dtype) in plain and type(return_lse) in plain:
+        if type(k_scale) in plain and type(v_scale) in plain and type(softmax_scale) in plain \
+                and type(kv_cache_dtype) in plain and type(return_lse) in plain \
+                and (ctx := replay.context(device)) is not None:
+            stream, env = ctx
             try:
-                stream = replay.current_stream(device)
                 key = (kv_cache_dtype, k_scale, v_scale, softmax_scale, return_lse, out is None, stream,
                        replay.tensor_key(q), replay.tensor_key(k_cache), replay.tensor_key(v_cache),
                        replay.tensor_key(gate), replay.tensor_key(out))
             except (AttributeError, TypeError):
                 key = None
             if key is not None:
-                entry = plan.replays.get(key)
+                entry = plan.replays.get(key, env)
                 if entry is not None and entry is not plan.replays:
                     plan.inputs.check_unchanged()
                     check_forward_only(q, gate, k_cache, v_cache)
@@ -437,7 +437,7 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
                                               softmax_scale, out, return_lse)
                     o, lse = result if return_lse else (result, None)
                     plan.replays.put(key, _replay_of(rec, _run_inputs(plan, q, k_cache, v_cache, gate, o, lse), plan,
-                                                     device))
+                                                     device, stream))
                     return result
     return _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_scale, softmax_scale, out,
                         return_lse)
@@ -460,12 +460,12 @@ def _run_inputs(plan: AttentionPlan, q, k_cache, v_cache, gate, out, lse) -> dic
                 seq_lens=inputs.seq_lens, index_counts=inputs.index_counts)
 
 
-def _replay_of(rec: replay.Recorder, inputs: dict, plan: AttentionPlan, device) -> replay.Replay | None:
-    """The recorded launches as a replay, or None where they cannot be replayed."""
+def _replay_of(rec: replay.Recorder, inputs: dict, plan: AttentionPlan, device, stream: int) -> replay.Replay | None:
+    """The recorded launches (on ``stream``) as a replay, or None where they cannot be replayed."""
     try:
         return replay.Replay(rec, inputs, replay.tensors_of(plan, []),
                              cuda=device.type == "cuda" and not replay.backend.interpreter_enabled(),
-                             device_index=device.index or 0)
+                             device_index=device.index or 0, stream=stream)
     except replay.Uncacheable:
         return None
 
@@ -612,10 +612,11 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
     plain = replay.PLAIN
     if type(q) is torch.Tensor and type(k_scale) in plain and type(v_scale) in plain and type(softmax_scale) in plain \
             and type(max_query_len) in plain and type(route) in plain and type(rows_sorted) in plain \
-            and type(kv_cache_dtype) in plain and type(return_lse) in plain and replay.usable(q.device):
+            and type(kv_cache_dtype) in plain and type(return_lse) in plain \
+            and (ctx := replay.context(q.device)) is not None:
         device = q.device
+        stream, env = ctx
         try:
-            stream = replay.current_stream(device)
             key = (route, max_query_len, rows_sorted, kv_cache_dtype, k_scale, v_scale, softmax_scale, return_lse,
                    out is None, stream, replay.tensor_key(q), replay.tensor_key(k_cache), replay.tensor_key(v_cache),
                    replay.tensor_key(indices), replay.tensor_key(block_table), replay.tensor_key(token_to_req),
@@ -624,7 +625,7 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
         except (AttributeError, TypeError):
             key = None
         if key is not None:
-            entry = _STEPS.get(key)
+            entry = _STEPS.get(key, env)
             if entry is not None and entry is not _STEPS:
                 check_forward_only(q, gate, k_cache, v_cache)
                 o, lse = _outputs(q, out, return_lse)
@@ -633,12 +634,12 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
                               out=o, lse=lse, index_counts=index_counts), stream):
                     return (o, lse) if return_lse else o
             elif entry is _STEPS:
-                inputs = (key, device)
+                inputs = (key, device, stream)
     if inputs is None:
         return _plan_and_run(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, gate,
                              kv_cache_dtype, k_scale, v_scale, softmax_scale, out, return_lse, route, max_query_len,
                              rows_sorted, index_counts)
-    key, device = inputs
+    key, device, stream = inputs
     with replay.Recorder() as rec:
         plan, result = _plan_and_run(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens,
                                      gate, kv_cache_dtype, k_scale, v_scale, softmax_scale, out, return_lse, route,
@@ -652,7 +653,7 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
                                            seq_lens=seq_lens, gate=gate, out=o, lse=lse, index_counts=index_counts),
                                  replay.tensors_of(plan, []),
                                  cuda=device.type == "cuda" and not replay.backend.interpreter_enabled(),
-                                 device_index=device.index or 0)
+                                 device_index=device.index or 0, stream=stream)
         except replay.Uncacheable:
             step = None
     _STEPS.put(key, step)

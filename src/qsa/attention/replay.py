@@ -11,7 +11,9 @@ temporary such as a negated ``q``) leaves the shape unreplayed, on the full path
 
 A later call whose fingerprint (:func:`tensor_key` of every input, the scalars, the stream, the settings)
 equals the record's launches the same compiled kernels with the inputs' new data pointers: on the GPU one
-C call per launch. A compiled kernel assumes what Triton specialised it on: the argument dtypes and
+call per launch of the compiled kernel's C launcher, with every argument but the pointers prepared when
+the step was recorded (a kernel that needs Triton's per-launch scratch goes through Triton's launcher
+object instead). A compiled kernel assumes what Triton specialised it on: the argument dtypes and
 integers (all fixed by the fingerprint) and each pointer's 16-byte alignment, which a replay checks
 before it launches anything (a misaligned input takes the full path).
 
@@ -111,13 +113,38 @@ def tensors_of(obj, found: list, depth: int = 0) -> list:
 
 
 class _Launch:
-    __slots__ = ("kernel", "grid", "kwargs", "template", "slots", "compiled", "run", "function", "packed")
+    __slots__ = ("kernel", "grid", "kwargs", "template", "slots", "call")
+
+
+def _launcher(compiled, grid: tuple, stream: int) -> tuple:
+    """(callable, argument prefix) that launch ``compiled`` on ``grid`` and ``stream`` when called with the
+    prefix followed by the kernel's arguments.
+
+    Triton 3.6's launcher object (``compiled.run``) allocates the kernel's global and profile scratch per
+    launch and then calls its C ``launch`` with the grid, the stream, the function, the cooperative-grid and
+    programmatic-dependent-launch flags, the two scratch pointers, the packed metadata, the launch
+    metadata and the two launch hooks. A kernel with no scratch is launched through that C function
+    directly (no hooks: a replay is only used with none set, see :func:`context`); any other through the
+    launcher object, as Triton's own launch calls it."""
+    g = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+    run = compiled.run
+    direct = getattr(run, "launch", None)
+    if direct is not None and getattr(run, "global_scratch_size", None) == 0 \
+            and getattr(run, "profile_scratch_size", None) == 0:
+        return direct, [*g, stream, compiled.function, run.launch_cooperative_grid, run.launch_pdl, None, None,
+                        compiled.packed_metadata, None, None, None]
+    return run, [*g, stream, compiled.function, compiled.packed_metadata, None, None, None]
+
+
+STREAM_SLOT = 3
+"""Where the stream is in a launcher's argument prefix (:func:`_launcher`)."""
 
 
 class Replay:
     """A recorded step: its launches, with the input slots of each, and the buffers it owns."""
 
-    def __init__(self, rec: Recorder, inputs: dict, keep: list, cuda: bool, device_index: int = 0):
+    def __init__(self, rec: Recorder, inputs: dict, keep: list, cuda: bool, device_index: int = 0,
+                 stream: int = 0):
         by_ptr = {}
         for name, t in inputs.items():
             if t is None:
@@ -164,13 +191,13 @@ class Replay:
                     raise Uncacheable(f"{type(kernel).__name__} is not a compiled Triton kernel")
                 binder = caches[device_index][4]
                 bound, _, _ = binder(*args, **kwargs)
-                template = list(bound.values())
+                L.call, prefix = _launcher(compiled, grid, stream)
+                template = prefix + list(bound.values())
                 for j, v in enumerate(template):
                     if isinstance(v, torch.Tensor):
                         template[j] = v.data_ptr()
                 L.template = template
-                L.slots = [(i, name) for i, name, _ in slots]
-                L.run, L.function, L.packed = compiled.run, compiled.function, compiled.packed_metadata
+                L.slots = [(i + len(prefix), name) for i, name, _ in slots]
             else:
                 L.template = list(args)
             self.steps.append(("launch", L))
@@ -191,11 +218,10 @@ class Replay:
                     continue
                 L = step[1]
                 args = L.template.copy()
+                args[STREAM_SLOT] = stream
                 for i, name in L.slots:
                     args[i] = ptr[name]
-                g = L.grid
-                L.run(g[0], g[1] if len(g) > 1 else 1, g[2] if len(g) > 2 else 1, stream, L.function, L.packed,
-                      None, None, None, *args)
+                L.call(*args)
             return True
         for step in self.steps:
             if step[0] == "zero":
@@ -221,25 +247,39 @@ def tensor_key(t):
     return (t.shape, t.stride(), t.dtype, t.get_device())
 
 
-def environment() -> tuple:
+def environment(interpret=None) -> tuple:
     """What every replay depends on besides its inputs: the settings (their change counter,
     ``settings.CHANGES``), the device facts, the backend and the environment variables the launchers read
-    (a change of any of them, tests' patches included, drops every replay)."""
+    (a change of any of them, tests' patches included, drops every replay). ``interpret``: the value of
+    ``TRITON_INTERPRET`` where the caller has read it."""
+    if interpret is None:
+        interpret = os.environ.get("TRITON_INTERPRET")
     return (settings.CHANGES, utils.device_facts, backend.interpreter_enabled,
-            backend.triton_available, os.environ.get("TRITON_INTERPRET"), os.environ.get("QSA_PDL"))
+            backend.triton_available, interpret, os.environ.get("QSA_PDL"))
 
 
-def usable(device: torch.device) -> bool:
-    """Whether calls on ``device`` may record and replay now: a GPU outside CUDA-graph capture with no
-    Triton launch hooks, or the interpreter where :data:`ON_INTERPRETER` allows it."""
+def context(device: torch.device) -> tuple[int, tuple] | None:
+    """(stream, :func:`environment`) of a call on ``device`` that may record and replay now, or None: a GPU
+    outside CUDA-graph capture with no Triton launch hooks, or the interpreter where
+    :data:`ON_INTERPRETER` allows it. The stream is the device's current raw stream (0 under the
+    interpreter). The environment is read once here, for the whole call."""
     if not settings.REPLAY_STEPS:
-        return False
-    if device.type == "cuda":
-        if torch.cuda.is_current_stream_capturing() or backend.interpreter_enabled():
-            return ON_INTERPRETER and backend.interpreter_enabled()
-        runtime = _triton_runtime()
-        return _unhooked(runtime.launch_enter_hook) and _unhooked(runtime.launch_exit_hook)
-    return ON_INTERPRETER and device.type == "cpu" and backend.interpreter_enabled()
+        return None
+    interpret = os.environ.get("TRITON_INTERPRET")
+    interpreting = interpret not in (None, "", "0")
+    kind = device.type
+    if interpreting:
+        if not ON_INTERPRETER or kind not in ("cuda", "cpu"):
+            return None
+        return 0, environment(interpret)
+    if kind != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    runtime = _triton_runtime()
+    if not (_unhooked(runtime.launch_enter_hook) and _unhooked(runtime.launch_exit_hook)):
+        return None
+    index = device.index
+    stream = torch._C._cuda_getCurrentRawStream(index if index is not None else torch.cuda.current_device())
+    return stream, environment(interpret)
 
 
 def _unhooked(hook) -> bool:
@@ -256,13 +296,6 @@ def _triton_runtime():
     return knobs.runtime
 
 
-def current_stream(device: torch.device) -> int:
-    if device.type != "cuda" or backend.interpreter_enabled():
-        return 0
-    return torch._C._cuda_getCurrentRawStream(device.index if device.index is not None else
-                                               torch.cuda.current_device())
-
-
 class ReplayCache:
     """Replays by fingerprint, the least recently used dropped past ``settings.REPLAY_CACHE_SIZE`` entries
     or past ``settings.REPLAY_CACHE_BYTES`` of buffers held (the newest is always kept); a key that could
@@ -274,8 +307,9 @@ class ReplayCache:
         self.hits = 0
         self.nbytes = 0
 
-    def get(self, key):
-        env = environment()
+    def get(self, key, env: tuple):
+        """The entry of ``key`` (a Replay, or None), or the cache itself where ``key`` was never seen;
+        ``env`` (:func:`environment`) unlike the last one drops every entry first."""
         if env != self.env:
             self.clear()
             self.env = env
