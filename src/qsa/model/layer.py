@@ -29,9 +29,11 @@ from torch import nn
 
 from .. import backend as backends
 from ..attention import routing
-from ..selection.api import MAX_K, check_index_dim
+from ..attention.api import check_forward_only
+from ..cache.paged import write_kv
+from ..selection.api import MAX_K, check_index_dim, select_tokens, update_compressed_keys
 from . import ops
-from .functional import apply_rope, rms_norm, rope_cos_sin
+from .functional import apply_rope, index_key_transform, rms_norm, rope_cos_sin
 from .tp import HeadShard, TPInfo, all_reduce, shard_heads
 from ..utils import check_int, check_positive_float
 
@@ -363,22 +365,41 @@ class QSAAttention(nn.Module):
             raise TypeError(f"x must have the config's dtype {c.dtype}, got {x.dtype}")
         if meta.block_size != cache.block_size:
             raise ValueError(f"meta.block_size ({meta.block_size}) must be the cache's block size ({cache.block_size})")
-        backend = meta.backend
         q, gate, k, v, iq, ik = self.project(x, meta.positions)
-        ops.write_kv(cache.kv, k, v, meta.slot_mapping, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
-                     v_scale=c.v_scale, backend=backend)
-        ops.update_compressed_keys(ik, meta.token_to_req, meta.positions, cache.kc, meta.block_table,
-                                   cache.partial, block_size=cache.block_size, norm_weight=self.index_k_norm,
-                                   eps=c.rms_norm_eps, rotary_dim=c.index_rotary_dim, rope_theta=c.rope_theta,
-                                   backend=backend)
-        indices = ops.select_tokens(iq, cache.kc, meta.block_table, meta.token_to_req, meta.positions,
-                                    meta.seq_lens, block_size=cache.block_size, k=c.index_topk, backend=backend)
+        check_forward_only(q, gate)  # before any cache write: a write of rows that require grad would enter autograd
+        indices = self.select(k, v, iq, ik, meta, cache)
         attn = self.attention(q, gate, indices, meta, cache)
         y = F.linear(attn.reshape(x.shape[0], self.num_q_heads * c.head_dim), self.o_proj)
         if capture is not None:
             # attn lives in the step's shared buffer, which the next layer overwrites
             capture.update(q=q, gate=gate, k=k, v=v, iq=iq, ik=ik, indices=indices, attn=attn.clone())
         return all_reduce(y, self.tp)
+
+    def select(self, k, v, iq, ik, meta: StepMetadata, cache: LayerCache) -> torch.Tensor:
+        """Write the step's K/V and compressed index keys into the caches, then select each row's tokens.
+
+        Under ``torch.compile`` through the custom ops (:mod:`qsa.model.ops`), which the compiler traces;
+        eagerly through the library functions they wrap, with the same arguments, so that an eager step
+        does not pay the custom-op dispatch (its schema handling and aliasing checks) three times."""
+        c = self.config
+        backend = meta.backend
+        if torch.compiler.is_compiling():
+            ops.write_kv(cache.kv, k, v, meta.slot_mapping, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
+                         v_scale=c.v_scale, backend=backend)
+            ops.update_compressed_keys(ik, meta.token_to_req, meta.positions, cache.kc, meta.block_table,
+                                       cache.partial, block_size=cache.block_size, norm_weight=self.index_k_norm,
+                                       eps=c.rms_norm_eps, rotary_dim=c.index_rotary_dim, rope_theta=c.rope_theta,
+                                       backend=backend)
+            return ops.select_tokens(iq, cache.kc, meta.block_table, meta.token_to_req, meta.positions,
+                                     meta.seq_lens, block_size=cache.block_size, k=c.index_topk, backend=backend)
+        write_kv(cache.k, cache.v, k, v, meta.slot_mapping, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
+                 v_scale=c.v_scale, backend=backend)
+        update_compressed_keys(ik, meta.token_to_req, meta.positions, cache.kc, meta.block_table, cache.partial,
+                               block_size=cache.block_size, backend=backend,
+                               transform=index_key_transform(self.index_k_norm, c.rms_norm_eps, c.index_rotary_dim,
+                                                             c.rope_theta))
+        return select_tokens(iq, cache.kc, meta.block_table, meta.token_to_req, meta.positions, meta.seq_lens,
+                             block_size=cache.block_size, k=c.index_topk, backend=backend)
 
     def attention(self, q, gate, indices, meta: StepMetadata, cache: LayerCache) -> torch.Tensor:
         """Gated sparse paged attention of this step's rows.
