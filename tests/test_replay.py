@@ -467,3 +467,21 @@ def test_a_launch_of_something_else_than_a_triton_kernel_is_never_replayed():
 
     with pytest.raises(replay.Uncacheable, match="not a compiled Triton kernel"):
         replay.Replay(recorded(NotAKernel(), StandInCompiled(), (q, out, 0), {}), dict(q=q, out=out), [], cuda=True)
+
+
+def test_the_environment_follows_every_change_of_the_variables(monkeypatch):
+    """A replay's environment reads the variables the launchers read on every call: a change through
+    ``os.environ`` (set, changed, removed) changes it, so the recorded steps are dropped."""
+    monkeypatch.delenv("QSA_PDL", raising=False)
+    before = replay.environment()
+    monkeypatch.setenv("QSA_PDL", "0")
+    off = replay.environment()
+    monkeypatch.setenv("QSA_PDL", "1")
+    on = replay.environment()
+    monkeypatch.delenv("QSA_PDL")
+    assert len({before, off, on}) == 3 and replay.environment() == before
+    cache = replay.ReplayCache()
+    cache.get("k", before)
+    cache.put("k", Held(1))
+    monkeypatch.setenv("QSA_PDL", "0")
+    assert cache.get("k", replay.environment()) is cache, "a step recorded under other variables was kept"

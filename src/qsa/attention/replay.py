@@ -247,15 +247,31 @@ def tensor_key(t):
     return (t.shape, t.stride(), t.dtype, t.get_device())
 
 
-def environment(interpret=None) -> tuple:
+def _variables_reader():
+    """A function returning the values of ``TRITON_INTERPRET`` and ``QSA_PDL`` now. On POSIX it reads
+    ``os.environ``'s own mapping of encoded names (which every change through ``os.environ``, tests'
+    patches included, updates in place), so a call costs two dict lookups instead of two encodings and
+    decodings; elsewhere ``os.environ.get``."""
+    data = getattr(os.environ, "_data", None)
+    if os.name == "posix" and isinstance(data, dict):
+        interpret, pdl = os.environ.encodekey("TRITON_INTERPRET"), os.environ.encodekey("QSA_PDL")
+        return lambda: (data.get(interpret), data.get(pdl))
+    return lambda: (os.environ.get("TRITON_INTERPRET"), os.environ.get("QSA_PDL"))
+
+
+_variables = _variables_reader()
+
+_OFF = (None, "", "0", b"", b"0")
+"""Values of ``TRITON_INTERPRET`` that leave the interpreter off (read as str or as encoded bytes)."""
+
+
+def environment(variables: tuple | None = None) -> tuple:
     """What every replay depends on besides its inputs: the settings (their change counter,
     ``settings.CHANGES``), the device facts, the backend and the environment variables the launchers read
-    (a change of any of them, tests' patches included, drops every replay). ``interpret``: the value of
-    ``TRITON_INTERPRET`` where the caller has read it."""
-    if interpret is None:
-        interpret = os.environ.get("TRITON_INTERPRET")
-    return (settings.CHANGES, utils.device_facts, backend.interpreter_enabled,
-            backend.triton_available, interpret, os.environ.get("QSA_PDL"))
+    (a change of any of them, tests' patches included, drops every replay). ``variables``: those
+    variables' values where the caller has read them."""
+    return (settings.CHANGES, utils.device_facts, backend.interpreter_enabled, backend.triton_available,
+            variables if variables is not None else _variables())
 
 
 def context(device: torch.device) -> tuple[int, tuple] | None:
@@ -265,21 +281,20 @@ def context(device: torch.device) -> tuple[int, tuple] | None:
     interpreter). The environment is read once here, for the whole call."""
     if not settings.REPLAY_STEPS:
         return None
-    interpret = os.environ.get("TRITON_INTERPRET")
-    interpreting = interpret not in (None, "", "0")
+    variables = _variables()
     kind = device.type
-    if interpreting:
+    if variables[0] not in _OFF:  # the interpreter
         if not ON_INTERPRETER or kind not in ("cuda", "cpu"):
             return None
-        return 0, environment(interpret)
-    if kind != "cuda" or torch.cuda.is_current_stream_capturing():
+        return 0, environment(variables)
+    if kind != "cuda" or torch._C._cuda_isCurrentStreamCapturing():
         return None
     runtime = _triton_runtime()
     if not (_unhooked(runtime.launch_enter_hook) and _unhooked(runtime.launch_exit_hook)):
         return None
     index = device.index
     stream = torch._C._cuda_getCurrentRawStream(index if index is not None else torch.cuda.current_device())
-    return stream, environment(interpret)
+    return stream, environment(variables)
 
 
 def _unhooked(hook) -> bool:
