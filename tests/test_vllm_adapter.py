@@ -405,6 +405,20 @@ def test_bound_vectors_are_kept_and_sliced(monkeypatch):
     assert vectors.get(4, 7, torch.int32, torch.device("cpu")).tolist() == [7] * 4
 
 
+def test_bound_slices_are_kept_per_size_but_never_a_capture_s_own(monkeypatch):
+    """A call of a seen size gets the same slice (no new tensor); a vector made during capture (the graph's
+    own memory) is never handed to a later call, which gets a slice of a kept vector instead."""
+    vectors = qv._BoundVectors()
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(qv, "_capturing", lambda device: True)
+    fresh = vectors.get(6, 3, torch.int32, cpu)
+    monkeypatch.setattr(qv, "_capturing", lambda device: False)
+    later = vectors.get(6, 3, torch.int32, cpu)
+    assert later is not fresh and later._base is not None and later.tolist() == [3] * 6
+    assert vectors.get(6, 3, torch.int32, cpu) is later
+    assert vectors.get(6, 4, torch.int32, cpu) is not later and vectors.get(5, 3, torch.int32, cpu).shape == (5,)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # argument checks
 

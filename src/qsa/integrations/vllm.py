@@ -42,7 +42,7 @@ and ``positions[r] < 0`` makes a padding row (0), as in :func:`qsa.sparse_paged_
 The missing bounds are realised as ``positions = max_blocks * page - 1`` for every row and
 ``seq_lens = max_blocks * page`` for every request, which no attended token can exceed (its block is in
 the table): vectors kept per (device, value), grown when more rows come and never freed (a captured CUDA
-graph may hold their address), sliced per call: no allocation, no fill and no host synchronisation after
+graph may hold their address), sliced per size of call: no allocation, no fill and no host synchronisation after
 the first call of a size. During CUDA-graph capture a call with more rows than any eager call had gets
 fresh ``torch.full`` vectors instead: the graph fills them on every replay, and they are not kept, since
 memory of the graph's pool holds nothing before a replay. (vLLM warms every capture size up eagerly
@@ -278,15 +278,30 @@ class ForwardPlans:
 
 class _BoundVectors:
     """Constant int vectors (the bounds that stand in for absent ``positions`` / ``seq_lens``), one per
-    (device, dtype, value), grown on demand and sliced per call; a vector replaced by a longer one is
-    kept alive, since a captured CUDA graph may read it."""
+    (device, dtype, value), grown on demand; a vector replaced by a longer one is kept alive, since a
+    captured CUDA graph may read it. The slice a call of ``n`` rows gets is kept too (up to ``SLICES_MAX``
+    of them), so that a call of a seen size makes no new tensor."""
+
+    SLICES_MAX = 1024
 
     def __init__(self):
         self._vectors: dict = {}
         self._retired: list = []
+        self._slices: dict = {}  # (device, dtype, value, n) -> the view of a kept vector a call of n rows gets
         self._lock = threading.Lock()
 
     def get(self, n: int, value: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        view = self._slices.get((device, dtype, value, n))
+        if view is not None:
+            return view
+        view = self._get(n, value, dtype, device)
+        if view._base is not None and not _capturing(device):  # a slice of a kept vector, not a capture's own
+            if len(self._slices) >= self.SLICES_MAX:
+                self._slices.clear()
+            self._slices[(device, dtype, value, n)] = view
+        return view
+
+    def _get(self, n: int, value: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (str(device), dtype, value)
         vec = self._vectors.get(key)
         if vec is not None and vec.shape[0] >= n:
