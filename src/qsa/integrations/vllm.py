@@ -295,7 +295,7 @@ class _BoundVectors:
         if view is not None:
             return view
         view = self._get(n, value, dtype, device)
-        if view._base is not None and not _capturing(device):  # a slice of a kept vector, not a capture's own
+        if view._base is not None:  # a slice of a kept vector, not a vector a capture made for itself
             if len(self._slices) >= self.SLICES_MAX:
                 self._slices.clear()
             self._slices[(device, dtype, value, n)] = view

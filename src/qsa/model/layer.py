@@ -30,10 +30,9 @@ from torch import nn
 from .. import backend as backends
 from ..attention import routing
 from ..attention.api import check_forward_only
-from ..cache.paged import write_kv
-from ..selection.api import MAX_K, check_index_dim, select_tokens, update_compressed_keys
+from ..selection.api import MAX_K, check_index_dim
 from . import ops
-from .functional import apply_rope, index_key_transform, rms_norm, rope_cos_sin
+from .functional import apply_rope, rms_norm, rope_cos_sin
 from .tp import HeadShard, TPInfo, all_reduce, shard_heads
 from ..utils import check_int, check_positive_float
 
@@ -379,27 +378,19 @@ class QSAAttention(nn.Module):
         """Write the step's K/V and compressed index keys into the caches, then select each row's tokens.
 
         Under ``torch.compile`` through the custom ops (:mod:`qsa.model.ops`), which the compiler traces;
-        eagerly through the library functions they wrap, with the same arguments, so that an eager step
-        does not pay the custom-op dispatch (its schema handling and aliasing checks) three times."""
+        eagerly through the ops' implementations with the same arguments, so that an eager step does not
+        pay the custom-op dispatch (its schema handling and aliasing checks) three times."""
         c = self.config
-        backend = meta.backend
         if torch.compiler.is_compiling():
-            ops.write_kv(cache.kv, k, v, meta.slot_mapping, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
-                         v_scale=c.v_scale, backend=backend)
-            ops.update_compressed_keys(ik, meta.token_to_req, meta.positions, cache.kc, meta.block_table,
-                                       cache.partial, block_size=cache.block_size, norm_weight=self.index_k_norm,
-                                       eps=c.rms_norm_eps, rotary_dim=c.index_rotary_dim, rope_theta=c.rope_theta,
-                                       backend=backend)
-            return ops.select_tokens(iq, cache.kc, meta.block_table, meta.token_to_req, meta.positions,
-                                     meta.seq_lens, block_size=cache.block_size, k=c.index_topk, backend=backend)
-        write_kv(cache.k, cache.v, k, v, meta.slot_mapping, kv_cache_dtype=c.kv_cache_dtype, k_scale=c.k_scale,
-                 v_scale=c.v_scale, backend=backend)
-        update_compressed_keys(ik, meta.token_to_req, meta.positions, cache.kc, meta.block_table, cache.partial,
-                               block_size=cache.block_size, backend=backend,
-                               transform=index_key_transform(self.index_k_norm, c.rms_norm_eps, c.index_rotary_dim,
-                                                             c.rope_theta))
-        return select_tokens(iq, cache.kc, meta.block_table, meta.token_to_req, meta.positions, meta.seq_lens,
-                             block_size=cache.block_size, k=c.index_topk, backend=backend)
+            write, update, select = (torch.ops.qsa.write_kv, torch.ops.qsa.update_compressed_keys,
+                                     torch.ops.qsa.select_tokens)
+        else:
+            write, update, select = ops.write_kv_impl, ops.update_compressed_keys_impl, ops.select_tokens_impl
+        write(cache.kv, k, v, meta.slot_mapping, c.kv_cache_dtype, c.k_scale, c.v_scale, meta.backend)
+        update(ik, meta.token_to_req, meta.positions, cache.kc, meta.block_table, cache.partial, self.index_k_norm,
+               c.rms_norm_eps, c.index_rotary_dim, c.rope_theta, meta.backend, cache.block_size, None, None)
+        return select(iq, cache.kc, meta.block_table, meta.token_to_req, meta.positions, meta.seq_lens,
+                      c.index_topk, meta.backend, cache.block_size)
 
     def attention(self, q, gate, indices, meta: StepMetadata, cache: LayerCache) -> torch.Tensor:
         """Gated sparse paged attention of this step's rows.

@@ -20,7 +20,9 @@ library function's PyTorch implementation of the same contract (used where Trito
 without the interpreter -- and with the ``"reference"`` route); :func:`qsa.backend.kernel_backend`
 picks it.
 
-The Python wrappers below mirror the library functions' signatures.
+The Python wrappers below mirror the library functions' signatures. Each op's implementation
+(``write_kv_impl``, ``update_compressed_keys_impl``, ``select_tokens_impl``, with the op's arguments) is also
+callable as it is, without the dispatcher: the QSA layer's eager step calls them so.
 """
 
 from __future__ import annotations
@@ -62,14 +64,17 @@ def _(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_le
             torch.empty(lse_shape, dtype=torch.float32, device=q.device))
 
 
-@torch.library.custom_op("qsa::select_tokens", mutates_args=())
-def _select_tokens_op(index_q: torch.Tensor, kc_cache: torch.Tensor, block_table: torch.Tensor,
-                      token_to_req: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor, k: int,
-                      backend: str, block_size: int) -> torch.Tensor:
+def select_tokens_impl(index_q: torch.Tensor, kc_cache: torch.Tensor, block_table: torch.Tensor,
+                       token_to_req: torch.Tensor, positions: torch.Tensor, seq_lens: torch.Tensor, k: int,
+                       backend: str, block_size: int) -> torch.Tensor:
+    """``qsa::select_tokens``'s implementation, callable without the dispatcher (the layer's eager step)."""
     from ..selection.api import select_tokens as st
 
     return st(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, block_size=block_size, k=k,
               backend=backends.resolve_backend(backend, index_q.device))
+
+
+_select_tokens_op = torch.library.custom_op("qsa::select_tokens", mutates_args=())(select_tokens_impl)
 
 
 @_select_tokens_op.register_fake
@@ -77,9 +82,9 @@ def _(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, k, back
     return torch.empty((index_q.shape[0], 4 * k + 3), dtype=torch.int32, device=index_q.device)
 
 
-@torch.library.custom_op("qsa::write_kv", mutates_args=("kv_cache",))
-def _write_kv_op(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
-                 kv_cache_dtype: str, k_scale: float, v_scale: float, backend: str) -> None:
+def write_kv_impl(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor,
+                  kv_cache_dtype: str, k_scale: float, v_scale: float, backend: str) -> None:
+    """``qsa::write_kv``'s implementation, callable without the dispatcher (the layer's eager step)."""
     from ..cache.paged import write_kv as wkv
     from ..utils import check_tensor
 
@@ -89,18 +94,21 @@ def _write_kv_op(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_
         v_scale=v_scale, backend=backends.resolve_backend(backend, kv_cache.device))
 
 
+_write_kv_op = torch.library.custom_op("qsa::write_kv", mutates_args=("kv_cache",))(write_kv_impl)
+
+
 @_write_kv_op.register_fake
 def _(kv_cache, k, v, slot_mapping, kv_cache_dtype, k_scale, v_scale, backend):
     return None
 
 
-@torch.library.custom_op("qsa::update_compressed_keys",
-                         mutates_args=("kc_cache", "partial", "next_pos", "refusals"))
-def _update_compressed_keys_op(raw_k: torch.Tensor, token_to_req: torch.Tensor, positions: torch.Tensor,
-                               kc_cache: torch.Tensor, block_table: torch.Tensor, partial: torch.Tensor,
-                               norm_weight: torch.Tensor | None, eps: float, rotary_dim: int,
-                               rope_theta: float, backend: str, block_size: int, next_pos: torch.Tensor | None,
-                               refusals: torch.Tensor | None) -> None:
+def update_compressed_keys_impl(raw_k: torch.Tensor, token_to_req: torch.Tensor, positions: torch.Tensor,
+                                kc_cache: torch.Tensor, block_table: torch.Tensor, partial: torch.Tensor,
+                                norm_weight: torch.Tensor | None, eps: float, rotary_dim: int,
+                                rope_theta: float, backend: str, block_size: int, next_pos: torch.Tensor | None,
+                                refusals: torch.Tensor | None) -> None:
+    """``qsa::update_compressed_keys``'s implementation, callable without the dispatcher (the layer's eager
+    step)."""
     # next_pos and refusals have no schema default: torch 2.11 drops trailing defaulted arguments before it
     # bumps the version of the mutated ones (an IndexError).
     from ..selection.api import update_compressed_keys as uck
@@ -109,6 +117,10 @@ def _update_compressed_keys_op(raw_k: torch.Tensor, token_to_req: torch.Tensor, 
     uck(raw_k, token_to_req, positions, kc_cache, block_table, partial, block_size=block_size,
         next_pos=next_pos, refusals=refusals, transform=index_key_transform(norm_weight, eps, rotary_dim, rope_theta),
         backend=backends.resolve_backend(backend, raw_k.device))
+
+
+_update_compressed_keys_op = torch.library.custom_op(
+    "qsa::update_compressed_keys", mutates_args=("kc_cache", "partial", "next_pos", "refusals"))(update_compressed_keys_impl)
 
 
 @_update_compressed_keys_op.register_fake
