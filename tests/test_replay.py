@@ -136,6 +136,40 @@ def test_a_refilled_plan_replays_its_planning_and_its_run(device, route):
     check_against_reference(second, got, name=f"{route} refilled plan replay")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_refill_with_the_plans_own_workspace_is_replayed(device):
+    """An engine that keeps the grouped planner's workspace and passes it back with ``out=`` gets the
+    replayed planning (the workspace is one of the plan's own buffers); a workspace the plan does not
+    hold takes the full path, and the plan keeps it for the next refill."""
+    from qsa.attention.planning.plan import PlanWorkspace
+
+    first = case_for(device)
+    c = first.cache
+
+    def refill(case, plan, ws):
+        return qsa.plan_attention(case.indices, case.block_table, case.token_to_req, case.positions,
+                                  case.seq_lens, block_size=c.block_size, num_blocks=c.num_blocks, num_q_heads=2,
+                                  num_kv_heads=1, head_dim=16, route="grouped", out=plan, workspace=ws,
+                                  max_query_len=5)
+
+    plan = refill(first, None, None)
+    ws = PlanWorkspace.for_plan(first.block_table, block_size=c.block_size, num_groups=plan.grouped.num_groups)
+    assert plan.workspace is not ws
+    refill(first, plan, ws)  # another workspace: the full path, which the plan then holds
+    assert plan.workspace is ws and plan.plan_replay is None
+    refill(first, plan, ws)
+    recorded = plan.plan_replay
+    assert recorded is not None and isinstance(recorded[2], replay.Replay), "the plan's own workspace was not recorded"
+    second = moved(first, seed=19)
+    assert refill(second, plan, ws) is plan and plan.plan_replay is recorded, "the refill was not replayed"
+    got = qsa.run_attention(plan, second.q, second.cache.k, second.cache.v, return_lse=True)
+    assert_bitwise(got, call(second, route="grouped", max_query_len=5), "workspace refill replay vs full path")
+    check_against_reference(second, got, name="workspace refill replay")
+    other = PlanWorkspace.for_plan(first.block_table, block_size=c.block_size, num_groups=plan.grouped.num_groups)
+    refill(second, plan, other)
+    assert plan.workspace is other and plan.plan_replay is None, "a foreign workspace was replayed"
+
+
 def test_a_planning_that_cannot_be_replayed_is_not_recorded_again():
     """A plan in physical order is sorted through a temporary (no input, not owned): its layout is marked
     unreplayable once, and later refills take the full path without recording (the mark stays)."""

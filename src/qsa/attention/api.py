@@ -220,9 +220,11 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
     was last planned with (every input's shape, strides, dtype and device, the other arguments, the
     stream, the settings) replays the planner launches recorded then, with the new inputs' pointers, into
     the same buffers (:mod:`qsa.attention.replay`): the checks and decisions are not repeated, and the
-    plan's recorded runs stay valid.
+    plan's recorded runs stay valid. A ``workspace`` passed is replayed only when it is the one ``out``
+    already holds (the one its last planning used); another one takes the full path.
     """
-    if type(out) is AttentionPlan and workspace is None and type(route) in replay.PLAIN \
+    if type(out) is AttentionPlan and (workspace is None or workspace is out.workspace) \
+            and type(route) in replay.PLAIN \
             and type(max_query_len) in replay.PLAIN and type(rows_sorted) in replay.PLAIN \
             and type(order) in replay.PLAIN and type(kv_cache_dtype) in replay.PLAIN \
             and type(indices) is torch.Tensor and (ctx := replay.context(indices.device)) is not None:
@@ -242,7 +244,7 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
             if last is not None and last[0] == key and last[1] == env:
                 if last[2] is None:  # a layout whose planning cannot be replayed: the full path, unrecorded
                     _plan_full(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
-                               num_q_heads, num_kv_heads, head_dim, route, out, None, order, max_query_len,
+                               num_q_heads, num_kv_heads, head_dim, route, out, workspace, order, max_query_len,
                                rows_sorted, kv_cache_dtype, index_counts)
                     out.plan_replay = last
                     return out
@@ -251,7 +253,7 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
                     return out
             with replay.Recorder() as rec:
                 _plan_full(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
-                           num_q_heads, num_kv_heads, head_dim, route, out, None, order, max_query_len, rows_sorted,
+                           num_q_heads, num_kv_heads, head_dim, route, out, workspace, order, max_query_len, rows_sorted,
                            kv_cache_dtype, index_counts)
             try:
                 step = replay.Replay(rec, inputs, replay.tensors_of(out, []),
