@@ -521,6 +521,46 @@ def test_compressed_keys_chunked_prefill_and_decode(device, dtype, transform):
     assert torch.equal(cache.partial[1, :3].cpu(), raw[1][16:19])
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_compressed_keys_of_ordered_rows_skip_the_sort(device, backend):
+    """Rows that already come by (request, position), as the layer's batches do, fed with
+    ``rows_ordered=True`` write every bit the sorted path writes (keys and open groups), step after step.
+    Known-wrong: the same promise made for rows out of order builds other keys, which the comparison
+    sees."""
+    if backend == "triton" and device == "cpu" and not qsa.utils.interpreter_enabled():
+        pytest.skip("the Triton path needs the interpreter on the CPU")
+    D, block_size, max_blocks, num_reqs = 16, 8, 4, 2
+    g = _gen(31)
+    raw = torch.randn(2, 14, D, generator=g)
+    bt = torch.randperm(num_reqs * max_blocks, generator=g).reshape(num_reqs, max_blocks).to(torch.int32).to(device)
+
+    def fresh():
+        return (torch.full((num_reqs * max_blocks, block_size // 4, D), NAN, device=device),
+                torch.zeros(num_reqs, 3, D, device=device))
+
+    def feed(caches, steps, **kw):
+        kc, partial = caches
+        for rows in steps:
+            reqs = torch.tensor([r for r, _ in rows], dtype=torch.int32, device=device)
+            pos = torch.tensor([p for _, p in rows], dtype=torch.int64, device=device)
+            keys = torch.stack([raw[r, p] for r, p in rows]).to(device)
+            qsa.selection.api.update_compressed_keys(keys, reqs, pos, kc, bt, partial, block_size=block_size,
+                                                     transform=_rope_like, backend=backend, **kw)
+        return kc.cpu(), partial.cpu()
+
+    steps = [[(0, p) for p in range(6)] + [(1, p) for p in range(5)],       # a prefill chunk of each
+             [(0, 6), (0, 7), (0, 8), (1, 5)], [(0, 9), (1, 6)], [(0, 10), (1, 7)]]  # MTP, then decode
+    want = feed(fresh(), steps)
+    got = feed(fresh(), steps, rows_ordered=True)
+    assert torch.equal(got[0].nan_to_num(7.0), want[0].nan_to_num(7.0)) and torch.equal(got[1], want[1])
+    shuffled = [list(reversed(rows)) for rows in steps]
+    assert torch.equal(feed(fresh(), shuffled)[0].nan_to_num(7.0), want[0].nan_to_num(7.0))  # any order, sorted
+    wrong = feed(fresh(), shuffled, rows_ordered=True)
+    assert not torch.equal(wrong[0].nan_to_num(7.0), want[0].nan_to_num(7.0)), "a broken promise went unseen"
+    with pytest.raises(TypeError, match="rows_ordered"):
+        feed(fresh(), steps[:1], rows_ordered=1)
+
+
 def test_compressed_keys_invalid_table_entry_skipped(device):
     D = 16
     kc = torch.full((4, 1, D), 5.0, device=device)

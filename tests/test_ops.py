@@ -341,11 +341,11 @@ def test_opcheck_select_and_cache_ops():
     torch.library.opcheck(torch.ops.qsa.update_compressed_keys.default,
                           (raw, torch.zeros(6, dtype=torch.int32), torch.arange(6), kcache,
                            torch.tensor([[1, 4], [2, 3]], dtype=torch.int32), partial, w, 1e-6, 8, 10000.0,
-                           "torch", 8, None, None))
+                           "torch", 8, None, None, False))
     torch.library.opcheck(torch.ops.qsa.update_compressed_keys.default,
                           (raw, torch.zeros(6, dtype=torch.int32), torch.arange(6), kcache,
                            torch.tensor([[1, 4], [2, 3]], dtype=torch.int32), partial, w, 1e-6, 8, 10000.0,
-                           "torch", 8, torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64)))
+                           "torch", 8, torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), True))
 
 
 def test_write_kv_op_mutates_only_given_slots():

@@ -106,17 +106,17 @@ def update_compressed_keys_impl(raw_k: torch.Tensor, token_to_req: torch.Tensor,
                                 kc_cache: torch.Tensor, block_table: torch.Tensor, partial: torch.Tensor,
                                 norm_weight: torch.Tensor | None, eps: float, rotary_dim: int,
                                 rope_theta: float, backend: str, block_size: int, next_pos: torch.Tensor | None,
-                                refusals: torch.Tensor | None) -> None:
+                                refusals: torch.Tensor | None, rows_ordered: bool) -> None:
     """``qsa::update_compressed_keys``'s implementation, callable without the dispatcher (the layer's eager
     step)."""
-    # next_pos and refusals have no schema default: torch 2.11 drops trailing defaulted arguments before it
-    # bumps the version of the mutated ones (an IndexError).
+    # next_pos, refusals and rows_ordered have no schema default: torch 2.11 drops trailing defaulted
+    # arguments before it bumps the version of the mutated ones (an IndexError).
     from ..selection.api import update_compressed_keys as uck
     from .functional import index_key_transform
 
     uck(raw_k, token_to_req, positions, kc_cache, block_table, partial, block_size=block_size,
         next_pos=next_pos, refusals=refusals, transform=index_key_transform(norm_weight, eps, rotary_dim, rope_theta),
-        backend=backends.resolve_backend(backend, raw_k.device))
+        backend=backends.resolve_backend(backend, raw_k.device), rows_ordered=rows_ordered)
 
 
 _update_compressed_keys_op = torch.library.custom_op(
@@ -125,7 +125,7 @@ _update_compressed_keys_op = torch.library.custom_op(
 
 @_update_compressed_keys_op.register_fake
 def _(raw_k, token_to_req, positions, kc_cache, block_table, partial, norm_weight, eps, rotary_dim,
-      rope_theta, backend, block_size, next_pos, refusals):
+      rope_theta, backend, block_size, next_pos, refusals, rows_ordered):
     return None
 
 
@@ -179,12 +179,14 @@ def write_kv(kv_cache, k, v, slot_mapping, *, kv_cache_dtype: str = "auto", k_sc
 
 def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table, partial, *, block_size: int,
                            next_pos=None, refusals=None, norm_weight=None, eps: float = 1e-6, rotary_dim: int = 0,
-                           rope_theta: float = 10000.0, backend: str = "triton") -> None:
+                           rope_theta: float = 10000.0, backend: str = "triton", rows_ordered: bool = False) -> None:
     """Feed one step's raw index keys into the compressed-key cache (``qsa::update_compressed_keys``),
     transforming each compressed key by RMSNorm (``norm_weight + 1``) and RoPE at position ``4b``.
-    ``block_size``, ``next_pos`` and ``refusals`` as in :func:`qsa.selection.api.update_compressed_keys` (rows in
-    any order; with ``next_pos``, rows whose group's earlier members were never fed are refused)."""
+    ``block_size``, ``next_pos``, ``refusals`` and ``rows_ordered`` as in
+    :func:`qsa.selection.api.update_compressed_keys` (rows in any order unless ``rows_ordered``; with
+    ``next_pos``, rows whose group's earlier members were never fed are refused)."""
     torch.ops.qsa.update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table, partial,
                                          norm_weight, as_finite_float("eps", eps), check_int("rotary_dim", rotary_dim),
                                          as_finite_float("rope_theta", rope_theta), backend,
-                                         check_int("block_size", block_size), next_pos, refusals)
+                                         check_int("block_size", block_size), next_pos, refusals,
+                                         check_bool("rows_ordered", rows_ordered))

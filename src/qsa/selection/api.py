@@ -25,8 +25,8 @@ import triton
 
 from .. import backend as backends
 from .. import settings
-from ..utils import (INT32_MAX, check_int, check_tensor, device_facts, dot_in_fp32, interpreter_enabled, next_pow2,
-                     overlaps_itself, round_up, type_name)
+from ..utils import (INT32_MAX, check_bool, check_int, check_tensor, device_facts, dot_in_fp32, interpreter_enabled,
+                     next_pow2, overlaps_itself, round_up, type_name)
 from .kernels import (assemble_groups_kernel, block_scores_kernel, clear_invalid_pages_kernel, finish_groups_kernel,
                       store_compressed_kernel)
 from .reference import GROUP
@@ -433,7 +433,8 @@ def _select_tokens_torch(index_q, kc_cache, block_table, token_to_req, positions
 
 
 def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table, partial, *, block_size: int,
-                           next_pos=None, refusals=None, transform=None, backend: str | None = None) -> None:
+                           next_pos=None, refusals=None, transform=None, backend: str | None = None,
+                           rows_ordered: bool = False) -> None:
     """Write the compressed key of every 4-token group that completes in this step.
 
     The step's rows may come in any order: requests interleaved, a request's positions in any order. The
@@ -487,6 +488,12 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
             stored, so it must be row-wise and tolerate arbitrary values in the other rows.
         backend: "triton" (the kernels), or "torch" (the same stores in PyTorch, with a host
             synchronisation); default: Triton wherever it can run.
+        rows_ordered: the caller's promise that the rows already come in the order the sorts would give
+            them: ``(token_to_req[i], positions[i])`` non-decreasing in ``i``, by request and then by
+            position (a decode or prefill batch of requests in slot order, with no padding row: padding
+            rows come last, after larger requests). The sorts are then skipped and every bit is the
+            same; a batch that breaks the promise may build wrong keys (never a read out of bounds).
+            :meth:`qsa.model.layer.StepMetadata.build` works it out on the host.
 
     ``kc[b] = (((k[4b] + k[4b+1]) + k[4b+2]) + k[4b+3]) * 0.25`` in fp32, the same for any chunking and
     any order of the rows. The Triton path runs on the device with no host synchronisation (on the CPU
@@ -511,6 +518,7 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
             if not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
     _check_transform(transform)
+    rows_ordered = check_bool("rows_ordered", rows_ordered)
     if kc_cache.stride(2) != 1:
         raise ValueError("kc_cache must have a contiguous last dimension")
     if D < 1 or D & (D - 1):
@@ -527,8 +535,11 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
     # Stable sorts by position, then by request: the rows of a request adjacent, ascending, duplicates in
     # batch order (the last one wins). Out-of-range requests and negative positions sort anywhere; they
     # are recognised by the assembly and store nothing.
-    by_pos = torch.sort(positions, stable=True).indices
-    perm = by_pos[torch.sort(token_to_req[by_pos], stable=True).indices]
+    if rows_ordered:
+        perm = torch.arange(T, dtype=torch.int64, device=raw_k.device)
+    else:
+        by_pos = torch.sort(positions, stable=True).indices
+        perm = by_pos[torch.sort(token_to_req[by_pos], stable=True).indices]
     if backend == "torch":
         grp, mean, rows = _assemble_torch(raw_k, token_to_req, positions, partial, next_pos, perm)
     else:
