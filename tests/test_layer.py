@@ -154,6 +154,91 @@ def test_step_inputs_are_checked_against_the_metadata_and_cache():
             layer.allocate_cache(args.pop("num_blocks"), args.pop("block_size"), args.pop("num_reqs"), **args)
 
 
+def test_projections_are_one_weight_and_agree_with_separate_ones():
+    """The five projections of x are views of one fused weight that an eager step multiplies once; a
+    layer whose parameters stopped being views (replaced, moved) multiplies them one by one, and both
+    agree within rounding. Moving or casting the module makes them views again."""
+    layer = QSAAttention(TINY, seed=4)
+    assert layer._in_proj_views() == layer._in_proj_ptrs
+    assert all(getattr(layer, n).untyped_storage().data_ptr() == layer._in_proj.untyped_storage().data_ptr()
+               for n in layer.IN_PROJ)
+    x = torch.randn(5, TINY.hidden_size, generator=torch.Generator().manual_seed(1)).to(TINY.dtype)
+    pos = torch.arange(5)
+    fused = layer.project(x, pos)
+    layer.v_proj.data = layer.v_proj.data.clone()  # no longer a view: the separate products
+    assert layer._in_proj_views() != layer._in_proj_ptrs
+    separate = layer.project(x, pos)
+    for a, b in zip(fused, separate):
+        assert a.shape == b.shape and torch.allclose(a.float(), b.float(), rtol=1e-2, atol=1e-2)
+    assert torch.equal(separate[3], F_linear(x, layer.v_proj).view(5, layer.num_kv_heads, TINY.head_dim))
+    layer.to("cpu")
+    assert layer._in_proj_views() == layer._in_proj_ptrs, "moving the module did not fuse the weights again"
+    # known-wrong: a fused weight whose rows are out of the parameters' order gives other projections
+    layer._in_proj_sizes = layer._in_proj_sizes[::-1]
+    with pytest.raises(RuntimeError):
+        layer.project(x, pos)
+
+
+def F_linear(x, w):
+    return torch.nn.functional.linear(x, w)
+
+
+@pytest.mark.parametrize("req,pos,want", [([0, 0, 1, 1], [0, 1, 0, 5], True), ([1, 1, 0], [3, 4, 9], False),
+                                          ([0, 0], [4, 3], False), ([0, 0, -1], [0, 1, -1], False),
+                                          ([2], [7], True), ([], [], True), ([0, 0], [3, 3], True)])
+def test_rows_ordered_of(req, pos, want):
+    from qsa.model.layer import rows_ordered_of
+
+    assert rows_ordered_of(req, pos) is want
+    assert rows_ordered_of(torch.tensor(req, dtype=torch.int32), torch.tensor(pos)) is want
+
+
+def test_step_rope_tables_are_kept_while_positions_are_unchanged():
+    meta = StepMetadata.build([0, 0, 1], [3, 4, 0], [5, 1], [[0, 1], [2, 3]], [3, 4, 16], block_size=8,
+                              device="cpu")
+    cos, sin = meta.rope(8, 10000.0)
+    assert meta.rope(8, 10000.0)[0] is cos, "the tables were computed again"
+    want = rope_cos_sin(meta.positions, 8, 10000.0)
+    assert torch.equal(cos, want[0]) and torch.equal(sin, want[1])
+    assert not torch.equal(meta.rope(4, 10000.0)[0][:, :2], meta.rope(4, 99.0)[0][:, :2])
+    meta.positions.copy_(torch.tensor([7, 8, 1]))  # a refill: new tables
+    again = meta.rope(8, 10000.0)
+    assert again[0] is not cos and torch.equal(again[0], rope_cos_sin(meta.positions, 8, 10000.0)[0])
+    with torch.inference_mode():
+        meta.positions = torch.tensor([1, 2, 3])
+        first = meta.rope(8, 10000.0)
+        assert meta.rope(8, 10000.0)[0] is not first[0]  # no version counter: never kept
+        assert torch.equal(first[0], rope_cos_sin(meta.positions, 8, 10000.0)[0])
+
+
+@pytest.mark.parametrize("route", ["reference", "auto"])
+def test_ordered_steps_skip_the_key_sorts_with_the_same_bits(device, route, monkeypatch):
+    """Steps whose rows come by request and position (no padding rows) feed the compressed keys without
+    sorting them (``rows_ordered``): the same outputs and caches, bit for bit, as the sorted feeding."""
+    import qsa.model.layer as layer_mod
+
+    layer = QSAAttention(TINY, seed=1, device=device)
+    xs = inputs(seed=2, device=device)
+    run = dict(RUN, pad_rows=0)
+    fed = []
+    real = qsa.selection.api.update_compressed_keys
+
+    def spy(*a, **kw):
+        fed.append(kw.get("rows_ordered"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(qsa.selection.api, "update_compressed_keys", spy)
+    out, _, cache = run_layer(layer, xs, **run, route=route, allocator_seed=3)
+    assert fed and all(fed), "an ordered step still sorted"
+    fed.clear()
+    monkeypatch.setattr(layer_mod, "rows_ordered_of", lambda *a: False)
+    want, _, want_cache = run_layer(layer, xs, **run, route=route, allocator_seed=3)
+    assert fed and not any(fed)
+    assert torch.equal(out, want)
+    assert torch.equal(cache.kc.nan_to_num(3.0), want_cache.kc.nan_to_num(3.0))
+    assert torch.equal(cache.partial, want_cache.partial)
+
+
 @pytest.mark.parametrize("route", ["reference", "xqa"])
 def test_a_step_of_no_token(route):
     layer = QSAAttention(TINY)

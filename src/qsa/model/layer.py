@@ -125,6 +125,9 @@ class StepMetadata:
         route: attention route for this step ("auto", "grouped", "xqa", "splitk", "invariant", "reference").
         max_query_len: the most rows of one request in this step (host int; 1 for a decode step, whose
             auto route is then xqa, see :func:`qsa.attention.routing.choose`).
+        rows_ordered: the rows come by request and then by position (no padding row before a real one;
+            host bool, :func:`rows_ordered_of`): an eager step's compressed-key update then skips its
+            sorts (``update_compressed_keys(..., rows_ordered=True)``, the same bits).
         plan_order: "logical" (the contract) or "physical" (the demonstration of why it matters).
         backend: "triton" or "torch" for the selection and cache writes (:meth:`build` picks Triton
             wherever the route runs Triton kernels, see :func:`qsa.backend.kernel_backend`).
@@ -136,6 +139,10 @@ class StepMetadata:
             to every route whose kernel it launched: ``grouped`` and ``xqa`` both for a step split
             between them; ``reference`` for the PyTorch reference), for reports of what ran. Nothing is
             recorded while ``torch.compile`` traces the layer.
+
+    The RoPE tables of the step's positions (:meth:`rope`) are computed by the first layer that asks and
+    kept for the others while ``positions`` is unchanged (its version counter: refill it with torch ops,
+    such as :meth:`copy_`).
     """
 
     token_to_req: torch.Tensor
@@ -148,9 +155,11 @@ class StepMetadata:
     plan_order: str = "logical"
     backend: str = "triton"
     max_query_len: int | None = None
+    rows_ordered: bool = False
     plan: object = field(default=None, repr=False)
     attn_out: torch.Tensor | None = field(default=None, repr=False)
     routes_run: dict = field(default_factory=dict, repr=False)
+    _ropes: dict = field(default_factory=dict, repr=False)
 
     TENSORS = ("token_to_req", "positions", "seq_lens", "block_table", "slot_mapping")
 
@@ -177,7 +186,7 @@ class StepMetadata:
         meta = cls(as_tensor(token_to_req, torch.int32), as_tensor(positions, torch.int64),
                    as_tensor(seq_lens, torch.int32), as_tensor(block_table, torch.int32),
                    as_tensor(slot_mapping, torch.int64), int(block_size), route, plan_order, backend,
-                   routing.max_query_len_of(token_to_req))
+                   routing.max_query_len_of(token_to_req), rows_ordered_of(token_to_req, positions))
         rows = meta.token_to_req.shape
         for name in ("positions", "slot_mapping"):
             if getattr(meta, name).shape != rows:
@@ -202,6 +211,37 @@ class StepMetadata:
         """Refill this step's tensors in place from ``other`` of the same shapes (CUDA-graph replay)."""
         for name in self.TENSORS:
             getattr(self, name).copy_(getattr(other, name))
+        self.rows_ordered = other.rows_ordered
+
+    def rope(self, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rope_cos_sin(positions, rotary_dim, theta)``, computed once per step for every layer (and for
+        q, k and the index queries where their widths agree). Computed afresh, not kept, under
+        ``torch.compile``, during CUDA-graph capture (the graph must compute it itself) and for
+        inference-mode positions (which have no version counter)."""
+        pos = self.positions
+        if torch.compiler.is_compiling() or pos.is_inference() or (
+                pos.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return rope_cos_sin(pos, rotary_dim, theta)
+        mark = (pos.data_ptr(), pos._version)
+        kept = self._ropes.get((rotary_dim, theta))
+        if kept is not None and kept[0] == mark:
+            return kept[1]
+        tables = rope_cos_sin(pos, rotary_dim, theta)
+        self._ropes[(rotary_dim, theta)] = (mark, tables)
+        return tables
+
+
+def rows_ordered_of(token_to_req, positions) -> bool:
+    """Whether rows ``(token_to_req[i], positions[i])`` are non-decreasing in ``i`` by request, then by
+    position: the order :func:`qsa.selection.api.update_compressed_keys` sorts rows into, so that its sorts
+    may be skipped. Read on the host (a device tensor is copied back once: call it where the batch is
+    built, as :meth:`StepMetadata.build` does)."""
+    req = (token_to_req.cpu() if isinstance(token_to_req, torch.Tensor) else torch.tensor(token_to_req)).long()
+    pos = (positions.cpu() if isinstance(positions, torch.Tensor) else torch.tensor(positions)).long()
+    if req.numel() < 2:
+        return True
+    dr, dp = req[1:] - req[:-1], pos[1:] - pos[:-1]
+    return bool(((dr > 0) | ((dr == 0) & (dp >= 0))).all())
 
 
 @dataclass
@@ -285,12 +325,37 @@ class QSAAttention(nn.Module):
 
         q_sl = slice(sh.q_start, sh.q_start + sh.num_q_heads)
         kv_sl = slice(sh.kv_start, sh.kv_start + sh.num_kv_heads)
-        params = dict(
-            qg_proj=qg[q_sl].reshape(-1, H), k_proj=k[kv_sl].reshape(-1, H), v_proj=v[kv_sl].reshape(-1, H),
-            o_proj=o[:, q_sl].reshape(H, -1), index_q_proj=iq, index_k_proj=ik, **norms)
-        for name, w in params.items():
+        inputs = dict(qg_proj=qg[q_sl].reshape(-1, H), k_proj=k[kv_sl].reshape(-1, H),
+                      v_proj=v[kv_sl].reshape(-1, H), index_q_proj=iq, index_k_proj=ik)
+        for name, w in dict(inputs, o_proj=o[:, q_sl].reshape(H, -1), **norms).items():
             self.register_parameter(name, nn.Parameter(w.to(device=device, dtype=c.dtype).contiguous(),
                                                        requires_grad=False))
+        self._fuse_in_proj()
+
+    IN_PROJ = ("qg_proj", "k_proj", "v_proj", "index_q_proj", "index_k_proj")
+    """The projections of x, in the order of their rows in the fused weight."""
+
+    def _fuse_in_proj(self) -> None:
+        """Make the five projections of x rows of one weight, each parameter a view of its rows, so that
+        an eager step multiplies once (:meth:`project`); done again after the module is moved or cast."""
+        weights = [getattr(self, name) for name in self.IN_PROJ]
+        fused = torch.cat([w.detach() for w in weights])
+        start = 0
+        for w in weights:
+            w.data = fused[start:start + w.shape[0]]
+            start += w.shape[0]
+        self._in_proj = fused
+        self._in_proj_sizes = [w.shape[0] for w in weights]
+        self._in_proj_ptrs = self._in_proj_views()
+
+    def _apply(self, fn, *args, **kwargs):
+        out = super()._apply(fn, *args, **kwargs)
+        self._fuse_in_proj()
+        return out
+
+    def _in_proj_views(self) -> tuple:
+        """The data pointers of the five projections now (views of the fused weight while they are)."""
+        return tuple(getattr(self, name).data_ptr() for name in self.IN_PROJ)
 
     @property
     def num_q_heads(self) -> int:
@@ -328,25 +393,33 @@ class QSAAttention(nn.Module):
         partial = torch.zeros((num_reqs, 3, c.index_head_dim), dtype=torch.float32, device=device)
         return LayerCache(kv, kc, partial)
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor):
-        """Projections, norms and RoPE of ``x`` ``[T, hidden]``.
+    def project(self, x: torch.Tensor, positions):
+        """Projections, norms and RoPE of ``x`` ``[T, hidden]`` at ``positions`` (``[T]``, or the step's
+        :class:`StepMetadata`, whose RoPE tables are then shared by the layers).
 
         Returns ``q, gate`` ``[T, Hq, D]``, ``k, v`` ``[T, Hkv, D]`` (this rank's heads), ``iq``
         ``[T, index_heads, index_head_dim]`` and the raw index keys ``ik`` ``[T, index_head_dim]``.
         """
         c = self.config
         T, D = x.shape[0], c.head_dim
-        qg = F.linear(x, self.qg_proj).view(T, self.num_q_heads, 2 * D)
+        if isinstance(positions, StepMetadata):
+            meta = positions
+            (cos, sin), (icos, isin) = meta.rope(c.rotary_dim, c.rope_theta), meta.rope(c.index_rotary_dim,
+                                                                                          c.rope_theta)
+        else:
+            cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta)
+            icos, isin = rope_cos_sin(positions, c.index_rotary_dim, c.rope_theta)
+        if not torch.compiler.is_compiling() and self._in_proj_views() == self._in_proj_ptrs:
+            qg, k, v, iq, ik = F.linear(x, self._in_proj).split(self._in_proj_sizes, dim=1)
+        else:  # under torch.compile, or after the parameters stopped being views of the fused weight
+            qg, k, v, iq, ik = (F.linear(x, getattr(self, name)) for name in self.IN_PROJ)
+        qg = qg.view(T, self.num_q_heads, 2 * D)
         q, gate = qg[..., :D], qg[..., D:]
-        k = F.linear(x, self.k_proj).view(T, self.num_kv_heads, D)
-        v = F.linear(x, self.v_proj).view(T, self.num_kv_heads, D)
-        cos, sin = rope_cos_sin(positions, c.rotary_dim, c.rope_theta)
+        k, v = k.view(T, self.num_kv_heads, D), v.view(T, self.num_kv_heads, D)
         q = apply_rope(rms_norm(q, self.q_norm, c.rms_norm_eps), cos, sin)
         k = apply_rope(rms_norm(k, self.k_norm, c.rms_norm_eps), cos, sin)
-        iq = F.linear(x, self.index_q_proj).view(T, c.index_heads, c.index_head_dim)
-        icos, isin = rope_cos_sin(positions, c.index_rotary_dim, c.rope_theta)
+        iq = iq.view(T, c.index_heads, c.index_head_dim)
         iq = apply_rope(rms_norm(iq, self.index_q_norm, c.rms_norm_eps), icos, isin)
-        ik = F.linear(x, self.index_k_proj)
         return q, gate, k, v, iq, ik
 
     def forward(self, x: torch.Tensor, meta: StepMetadata, cache: LayerCache,
@@ -364,7 +437,7 @@ class QSAAttention(nn.Module):
             raise TypeError(f"x must have the config's dtype {c.dtype}, got {x.dtype}")
         if meta.block_size != cache.block_size:
             raise ValueError(f"meta.block_size ({meta.block_size}) must be the cache's block size ({cache.block_size})")
-        q, gate, k, v, iq, ik = self.project(x, meta.positions)
+        q, gate, k, v, iq, ik = self.project(x, meta)
         check_forward_only(q, gate)  # before any cache write: a write of rows that require grad would enter autograd
         indices = self.select(k, v, iq, ik, meta, cache)
         attn = self.attention(q, gate, indices, meta, cache)
@@ -384,11 +457,15 @@ class QSAAttention(nn.Module):
         if torch.compiler.is_compiling():
             write, update, select = (torch.ops.qsa.write_kv, torch.ops.qsa.update_compressed_keys,
                                      torch.ops.qsa.select_tokens)
+            ordered = False
         else:
             write, update, select = ops.write_kv_impl, ops.update_compressed_keys_impl, ops.select_tokens_impl
+            # a captured step sorts: its graph may be replayed with rows in another order
+            ordered = meta.rows_ordered and not (k.is_cuda and torch.cuda.is_current_stream_capturing())
         write(cache.kv, k, v, meta.slot_mapping, c.kv_cache_dtype, c.k_scale, c.v_scale, meta.backend)
         update(ik, meta.token_to_req, meta.positions, cache.kc, meta.block_table, cache.partial, self.index_k_norm,
-               c.rms_norm_eps, c.index_rotary_dim, c.rope_theta, meta.backend, cache.block_size, None, None)
+               c.rms_norm_eps, c.index_rotary_dim, c.rope_theta, meta.backend, cache.block_size, None, None,
+               ordered)
         return select(iq, cache.kc, meta.block_table, meta.token_to_req, meta.positions, meta.seq_lens,
                       c.index_topk, meta.backend, cache.block_size)
 
