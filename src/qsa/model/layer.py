@@ -33,6 +33,7 @@ from ..attention.api import check_forward_only
 from ..selection.api import MAX_K, check_index_dim
 from . import ops
 from .functional import apply_rope, rms_norm, rope_cos_sin
+from .kernels import norm_rope
 from .tp import HeadShard, TPInfo, all_reduce, shard_heads
 from ..utils import check_int, check_positive_float
 
@@ -395,7 +396,8 @@ class QSAAttention(nn.Module):
 
     def project(self, x: torch.Tensor, positions):
         """Projections, norms and RoPE of ``x`` ``[T, hidden]`` at ``positions`` (``[T]``, or the step's
-        :class:`StepMetadata`, whose RoPE tables are then shared by the layers).
+        :class:`StepMetadata`, whose RoPE tables are then shared by the layers, and whose Triton backend
+        takes the norms and rotations in one launch, :func:`qsa.model.kernels.norm_rope`).
 
         Returns ``q, gate`` ``[T, Hq, D]``, ``k, v`` ``[T, Hkv, D]`` (this rank's heads), ``iq``
         ``[T, index_heads, index_head_dim]`` and the raw index keys ``ik`` ``[T, index_head_dim]``.
@@ -416,9 +418,16 @@ class QSAAttention(nn.Module):
         qg = qg.view(T, self.num_q_heads, 2 * D)
         q, gate = qg[..., :D], qg[..., D:]
         k, v = k.view(T, self.num_kv_heads, D), v.view(T, self.num_kv_heads, D)
+        iq = iq.view(T, c.index_heads, c.index_head_dim)
+        if isinstance(positions, StepMetadata) and positions.backend == "triton" \
+                and not torch.compiler.is_compiling():
+            # one launch for the three norms and rotations (the same values up to an ulp where the sum
+            # of squares rounds differently; torch.compile fuses the PyTorch functions itself)
+            q, k, iq = norm_rope(q, self.q_norm, k, self.k_norm, iq, self.index_q_norm, cos, sin, icos, isin,
+                                 c.rms_norm_eps)
+            return q, gate, k, v, iq, ik
         q = apply_rope(rms_norm(q, self.q_norm, c.rms_norm_eps), cos, sin)
         k = apply_rope(rms_norm(k, self.k_norm, c.rms_norm_eps), cos, sin)
-        iq = iq.view(T, c.index_heads, c.index_head_dim)
         iq = apply_rope(rms_norm(iq, self.index_q_norm, c.rms_norm_eps), icos, isin)
         return q, gate, k, v, iq, ik
 
