@@ -26,10 +26,15 @@ def no_recorded_steps():
     """Every test starts with no recorded eager steps (``qsa.attention.replay``): a test that patches a
     launcher's settings function must not be served a step another test recorded."""
     from qsa.attention import api
+    from qsa.cache import paged
+    from qsa.selection import api as selection
 
-    api._STEPS.clear()
+    caches = (api._STEPS, selection._SELECTIONS, paged._WRITES)
+    for cache in caches:
+        cache.clear()
     yield
-    api._STEPS.clear()
+    for cache in caches:
+        cache.clear()
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .. import backend as backends
+from ..attention import replay
 from .kernels import cache_write_kernel
 from ..utils import check_int, check_positive_float, check_tensor, next_pow2, overlaps_itself, same_device
 
@@ -315,7 +316,79 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         >>> cache = allocate_kv_cache(8, 16, 1, 64, fill="nan")
         >>> k = v = torch.randn(3, 1, 64, dtype=torch.float16)
         >>> write_kv(cache.k, cache.v, k, v, torch.tensor([16, 17, -1]))
+
+    With ``settings.REPLAY_STEPS`` on a GPU, the first Triton call of a fingerprint (every tensor's shape,
+    strides, dtype and device, ``kv_cache_dtype``, the scales, the backend, the stream, the settings)
+    records its launch, and later calls with that fingerprint replay it with their own pointers
+    (:mod:`qsa.attention.replay`): the checks and the binding are not repeated, except that the caches must
+    lie as the recorded call's did relative to each other or be apart (the disjointness check depends on
+    where they are, not only on their layout).
     """
+    if type(k_cache) is torch.Tensor and type(kv_cache_dtype) is str and type(k_scale) in _SCALE_TYPES \
+            and type(v_scale) in _SCALE_TYPES and (ctx := replay.context(k_cache.device)) is not None:
+        stream, env = ctx
+        try:
+            key = (kv_cache_dtype, k_scale, v_scale, backends.resolve_backend(backend, k_cache.device), stream,
+                   replay.tensor_key(k_cache), replay.tensor_key(v_cache), replay.tensor_key(k),
+                   replay.tensor_key(v), replay.tensor_key(slot_mapping))
+        except (AttributeError, TypeError, ValueError):  # not tensors, or a backend that cannot run
+            key = None
+        if key is not None and key[3] == "triton":  # the PyTorch path is never recorded
+            entry = _WRITES.get(key, env)
+            if entry is _WRITES:
+                _write_kv_recorded(key, stream, k_cache, v_cache, k, v, slot_mapping, kv_cache_dtype, k_scale,
+                                   v_scale, backend)
+                return
+            if entry is not None:
+                step, delta, k_span, v_span = entry
+                d = v_cache.data_ptr() - k_cache.data_ptr()
+                if (d == delta or d >= k_span or -d >= v_span) and \
+                        step(dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, slot_mapping=slot_mapping), stream):
+                    return
+    _write_kv_full(k_cache, v_cache, k, v, slot_mapping, kv_cache_dtype, k_scale, v_scale, backend)
+
+
+_SCALE_TYPES = (float, int)
+"""Types of the scales a write_kv fingerprint holds by value (a bool, which equals an int, is refused by
+the checks, so it never reaches a replay)."""
+
+_WRITES = replay.ReplayCache()
+"""write_kv's recorded launches, by call fingerprint: (Replay, v_cache - k_cache address offset of the
+recorded call, byte spans of k_cache and v_cache), or None where the launch cannot be replayed."""
+
+
+def _span(t: torch.Tensor) -> int:
+    """Bytes from ``t``'s first element to the end of its last one (0 for no element)."""
+    if t.numel() == 0:
+        return 0
+    return t.element_size() * (1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())))
+
+
+def _write_kv_recorded(key, stream, k_cache, v_cache, k, v, slot_mapping, kv_cache_dtype, k_scale, v_scale,
+                       backend) -> None:
+    """The first call of fingerprint ``key``: the full path under a recorder, its launch cached as a replay
+    with the caches' relative placement (None where it cannot be replayed). Inputs that share an address
+    (``k`` and ``v`` one tensor) are served unrecorded, and the fingerprint stays open to distinct ones."""
+    with replay.Recorder() as rec:
+        _write_kv_full(k_cache, v_cache, k, v, slot_mapping, kv_cache_dtype, k_scale, v_scale, backend)
+    inputs = dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, slot_mapping=slot_mapping)
+    ptrs = [p for p in (t.data_ptr() for t in inputs.values()) if p]
+    if len(set(ptrs)) < len(ptrs):
+        return
+    device = k_cache.device
+    try:
+        step = replay.Replay(rec, inputs, [], cuda=device.type == "cuda" and not backends.interpreter_enabled(),
+                             device_index=device.index or 0, stream=stream)
+    except replay.Uncacheable:
+        _WRITES.put(key, None)
+        return
+    # The checks passed for this placement of v_cache relative to k_cache; whether two views of the key's
+    # layouts share an element depends on that offset alone, and they share none when their spans are apart.
+    _WRITES.put(key, (step, v_cache.data_ptr() - k_cache.data_ptr(), _span(k_cache), _span(v_cache)))
+
+
+def _write_kv_full(k_cache, v_cache, k, v, slot_mapping, kv_cache_dtype, k_scale, v_scale, backend) -> None:
+    """write_kv's full path: every check, then the PyTorch writes or the launch."""
     _check_kv_cache_dtype(kv_cache_dtype)
     _check_cache_pair(k_cache, v_cache, kv_cache_dtype)
     _check_disjoint(k_cache, v_cache)
@@ -346,7 +419,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
         return
 
     grid = (num_tokens, num_kv_heads)
-    cache_write_kernel[grid](
+    replay.launch(
+        cache_write_kernel, grid,
         k, v, slot_mapping, k_cache, v_cache,
         float(k_scale), float(v_scale),
         num_blocks * block_size, block_size,

@@ -25,6 +25,7 @@ import triton
 
 from .. import backend as backends
 from .. import settings
+from ..attention import replay
 from ..utils import (INT32_MAX, check_bool, check_int, check_tensor, device_facts, dot_in_fp32, interpreter_enabled,
                      next_pow2, overlaps_itself, round_up, type_name)
 from .kernels import (assemble_groups_kernel, block_scores_kernel, clear_invalid_pages_kernel, finish_groups_kernel,
@@ -164,7 +165,8 @@ def _launch_scores(index_q, kc_cache, block_table, token_to_req, positions, seq_
         want = triton.cdiv(2 * device_facts(str(q.device))["sm_count"], row_progs)
         n_per_prog = min(n_per_prog, max(cfg["BLOCK_N"], round_up(triton.cdiv(n_cols, want), cfg["BLOCK_N"])))
     grid = (row_progs, triton.cdiv(n_cols, n_per_prog))
-    block_scores_kernel[grid](
+    replay.launch(
+        block_scores_kernel, grid,
         q, kc, bt, token_to_req.contiguous(), positions.contiguous(), seq_lens.contiguous(), out,
         rows, num_reqs, kc.shape[0], n_cols, n_per_prog, D ** -0.5,
         q.stride(0), q.stride(1), kc.stride(0), kc.stride(1), bt.stride(0), out.stride(0),
@@ -181,7 +183,8 @@ def _launch_clear_invalid(keys, token_to_req, block_table, num_blocks: int, rows
         return
     block_r, block_p = (16, 16) if interpreter_enabled() else settings.CLEAR_PAGES_TILE
     grid = (triton.cdiv(rows, block_r), triton.cdiv(max_blocks, block_p))
-    clear_invalid_pages_kernel[grid](
+    replay.launch(
+        clear_invalid_pages_kernel, grid,
         keys, token_to_req, block_table, rows, num_reqs, num_blocks, max_blocks, n_cols,
         keys.stride(0), block_table.stride(0), ROWS_PER_PAGE=rows_per_page, BLOCK_R=block_r,
         BLOCK_P=block_p, num_warps=4,
@@ -213,7 +216,8 @@ def _launch_topk(src, out, k, *, from_scores, visible=None, token_to_req=None, p
     emit_tokens = visible is None
     cfg = dict(_topk_config(n_cols, out.shape[1]), **(config or {}))
     dummy = out
-    topk_kernel[(rows,)](
+    replay.launch(
+        topk_kernel, (rows,),
         src, dummy if emit_tokens else visible,
         token_to_req if emit_tokens else dummy, positions if emit_tokens else dummy,
         seq_lens if emit_tokens else dummy, out,
@@ -345,7 +349,84 @@ def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_l
         ...                         block_size=16)
         >>> out = qsa.sparse_paged_attention(q, k_cache, v_cache, idx, block_table, token_to_req,
         ...                                  positions, seq_lens)
+
+    With ``settings.REPLAY_STEPS`` on a GPU, the first Triton call of a fingerprint (every tensor's shape,
+    strides, dtype and device, ``k``, ``block_size``, the backend, the stream, the settings) records its
+    launches (scores, invalid pages, top-k), and later calls with that fingerprint replay them with their own pointers
+    (:mod:`qsa.attention.replay`): the checks and the binding are not repeated. A recorded step keeps its
+    score-key scratch (``rows x max_blocks * block_size // 4`` int32), so calls on one stream reuse it in
+    order; a call whose scratch is over :data:`REPLAY_MAX_SCRATCH_BYTES` is never recorded.
     """
+    if type(index_q) is torch.Tensor and type(k) is int and type(block_size) is int \
+            and (ctx := replay.context(index_q.device)) is not None:
+        stream, env = ctx
+        try:
+            key = (k, block_size, backends.resolve_backend(backend, index_q.device), stream,
+                   replay.tensor_key(index_q), replay.tensor_key(kc_cache), replay.tensor_key(block_table),
+                   replay.tensor_key(token_to_req), replay.tensor_key(positions), replay.tensor_key(seq_lens),
+                   replay.tensor_key(out))
+        except (AttributeError, TypeError, ValueError):  # not tensors, or a backend that cannot run
+            key = None
+        if key is not None and key[2] == "triton":  # the PyTorch path is never recorded
+            entry = _SELECTIONS.get(key, env)
+            if entry is _SELECTIONS:
+                return _select_tokens_recorded(key, stream, index_q, kc_cache, block_table, token_to_req,
+                                               positions, seq_lens, block_size, k, out, backend)
+            if entry is not None:
+                o = torch.empty(index_q.shape[0], 4 * k + 3, dtype=torch.int32, device=index_q.device) \
+                    if out is None else out
+                if entry(dict(index_q=index_q, kc_cache=kc_cache, block_table=block_table, token_to_req=token_to_req,
+                              positions=positions, seq_lens=seq_lens, out=o), stream):
+                    return o
+    return _select_tokens_full(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, block_size, k,
+                               out, backend)
+
+
+REPLAY_MAX_SCRATCH_BYTES = 64 << 20
+"""Largest score-key scratch (``rows x max_blocks * block_size // 4`` int32) of a :func:`select_tokens` call
+that is recorded for replay: a replay holds its scratch for as long as it is cached, so a prefill-sized
+call (whose binding is a small part of its time anyway) takes the full path unrecorded instead of pinning
+its scratch. Read when a fingerprint is first seen."""
+
+_SELECTIONS = replay.ReplayCache()
+"""select_tokens' recorded steps, by call fingerprint (each owns its score-key scratch)."""
+
+
+def _shared_pointers(inputs: dict) -> bool:
+    """Whether two named inputs of a call start at one address (a :class:`~qsa.attention.replay.Replay`
+    refuses them): such a call is served unrecorded, and its fingerprint stays open to a later call with
+    distinct tensors."""
+    ptrs = [t.data_ptr() for t in inputs.values() if t is not None]
+    ptrs = [p for p in ptrs if p]
+    return len(set(ptrs)) < len(ptrs)
+
+
+def _select_tokens_recorded(key, stream, index_q, kc_cache, block_table, token_to_req, positions, seq_lens,
+                            block_size, k, out, backend):
+    """The first call of fingerprint ``key``: the full path under a recorder, its launches cached as a
+    replay (None where they cannot be replayed or the scratch is over the cap)."""
+    with replay.Recorder() as rec:
+        result = _select_tokens_full(index_q, kc_cache, block_table, token_to_req, positions, seq_lens,
+                                     block_size, k, out, backend)
+    inputs = dict(index_q=index_q, kc_cache=kc_cache, block_table=block_table, token_to_req=token_to_req,
+                  positions=positions, seq_lens=seq_lens, out=result)
+    if _shared_pointers(inputs):
+        return result
+    step = None
+    if sum(t.numel() * t.element_size() for t in rec.owned) <= REPLAY_MAX_SCRATCH_BYTES:
+        device = index_q.device
+        try:
+            step = replay.Replay(rec, inputs, [], cuda=device.type == "cuda" and not interpreter_enabled(),
+                                 device_index=device.index or 0, stream=stream)
+        except replay.Uncacheable:
+            step = None
+    _SELECTIONS.put(key, step)
+    return result
+
+
+def _select_tokens_full(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, block_size, k, out,
+                        backend):
+    """select_tokens' full path: every check, then the PyTorch path or the three launches."""
     k = _check_k(k)
     rows, _, _ = _check_cache(index_q, kc_cache, block_table, token_to_req, positions, seq_lens,
                               block_size=block_size, triton=False)
@@ -366,7 +447,7 @@ def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_l
         out.copy_(_select_tokens_torch(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, k=k))
         return out
     n_cols = block_table.shape[1] * kc_cache.shape[1]
-    keys = torch.empty(rows, n_cols, dtype=torch.int32, device=index_q.device)
+    keys = replay.owned(torch.empty(rows, n_cols, dtype=torch.int32, device=index_q.device))
     token_to_req, positions, seq_lens = (t.contiguous() for t in (token_to_req, positions, seq_lens))
     _launch_scores(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, keys,
                    write_keys=True)

@@ -1,0 +1,322 @@
+"""Replayed eager calls of ``select_tokens`` and ``write_kv`` (qsa.attention.replay): the second call of a
+fingerprint launches what the first recorded.
+
+A replay must give the bits the full path gives on the same inputs, with every input a new tensor at a new
+address; it must never serve a call of another shape or under other settings, never run with a stale
+pointer, and leave every bad-input check in force. On the CPU the replays run under the Triton interpreter
+(``replay.ON_INTERPRETER``).
+"""
+
+import pytest
+import torch
+
+import qsa
+from qsa import settings
+from qsa.attention import replay
+from qsa.cache import paged
+from qsa.cache.paged import PagedKVCache, allocate_kv_cache
+from qsa.selection import api as sel
+
+BS = 16  # the main KV cache's block size (kc_cache rows per block: BS // 4)
+K = 3  # blocks per row
+
+
+@pytest.fixture(autouse=True)
+def replays_on(monkeypatch):
+    monkeypatch.setattr(replay, "ON_INTERPRETER", True)
+    monkeypatch.setattr(settings, "REPLAY_STEPS", True)
+    sel._SELECTIONS.clear()
+    paged._WRITES.clear()
+    yield
+    sel._SELECTIONS.clear()
+    paged._WRITES.clear()
+
+
+# select_tokens
+
+
+def selection_case(seed, rows=6, dtype=torch.float32):
+    """A selection over 2 requests of 3 table entries each (one invalid), a padding row last: new tensors,
+    new values and a new page placement for every seed."""
+    g = torch.Generator().manual_seed(seed)
+    num_reqs, max_blocks, rpb, D, H = 2, 3, BS // 4, 16, 2
+    num_blocks = num_reqs * max_blocks + 2
+    kc = torch.randn(num_blocks, rpb, D, generator=g).to(dtype)
+    bt = torch.randperm(num_blocks, generator=g)[:num_reqs * max_blocks].reshape(num_reqs, max_blocks).to(torch.int32)
+    bt[1, 2] = -1
+    seq = torch.randint(30, max_blocks * BS + 1, (num_reqs,), generator=g, dtype=torch.int32)
+    req = torch.randint(0, num_reqs, (rows,), generator=g, dtype=torch.int32)
+    pos = (torch.rand(rows, generator=g) * seq[req.long()]).to(torch.int64)
+    pos[-1] = -1
+    q = torch.randn(rows, H, D, generator=g).to(dtype)
+    return q, kc, bt, req, pos, seq
+
+
+def select(case, k=K, **kw):
+    return qsa.select_tokens(*case, block_size=BS, k=k, **kw)
+
+
+def poisoned_out(case):
+    return torch.full((case[0].shape[0], 4 * K + 3), -7, dtype=torch.int32)
+
+
+def selections():
+    return list(sel._SELECTIONS.entries.values())
+
+
+@pytest.mark.parametrize("with_out", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_selection_replay_gives_the_full_paths_bits(with_out, dtype):
+    first = selection_case(1, dtype=dtype)
+    a = select(first, out=poisoned_out(first) if with_out else None)
+    assert len(selections()) == 1 and isinstance(selections()[0], replay.Replay), "the first call recorded no replay"
+    (scratch,) = selections()[0].keep
+    scratch.fill_(0x7FFFFFFF)  # the largest score key: a launch that read a key it did not write would pick it
+    second = selection_case(2, dtype=dtype)  # the first case stays alive: every tensor is at a new address
+    out = poisoned_out(second) if with_out else None
+    got = select(second, out=out)
+    assert sel._SELECTIONS.hits == 1, "the second call was not replayed"
+    assert out is None or got is out
+    sel._SELECTIONS.clear()
+    full = select(second, out=poisoned_out(second) if with_out else None)
+    assert torch.equal(got, full), "replay vs full path"
+    assert torch.equal(full, select(second, backend="torch")), "full path vs the PyTorch path"
+    assert not torch.equal(a, got), "the two cases select alike: the test proves nothing"
+
+
+def test_the_torch_backend_is_never_recorded():
+    case = selection_case(1)
+    select(case, backend="torch")
+    select(case, backend="torch")
+    assert selections() == []
+
+
+def test_a_shape_change_is_not_served_by_an_old_replay():
+    select(selection_case(1, rows=6))
+    got = select(selection_case(2, rows=7))
+    assert sel._SELECTIONS.hits == 0 and len(selections()) == 2, "a replay served another shape"
+    assert torch.equal(got, select(selection_case(2, rows=7), backend="torch"))
+    q, kc, bt, req, pos, seq = selection_case(3, rows=6)
+    select((q, kc, bt[:, :2].contiguous(), req, pos, seq))  # a narrower table: another fingerprint
+    select(selection_case(4, rows=6), k=K + 1)  # another k
+    assert sel._SELECTIONS.hits == 0 and len(selections()) == 4
+
+
+def test_a_settings_change_drops_every_selection_replay(monkeypatch):
+    case = selection_case(1)
+    select(case)
+    assert len(selections()) == 1
+    monkeypatch.setattr(settings, "SELECT_TOPK_EMIT", settings.SELECT_TOPK_EMIT // 2)
+    select(case)
+    assert len(selections()) == 1 and sel._SELECTIONS.hits == 0, "a replay served a call under other settings"
+    monkeypatch.setattr(settings, "REPLAY_STEPS", False)
+    sel._SELECTIONS.clear()
+    select(case)
+    assert selections() == [], "REPLAY_STEPS off still recorded"
+
+
+@pytest.mark.parametrize("lost", ["index_q", "kc_cache", "block_table"])
+def test_a_selection_replay_that_lost_an_input_is_caught(lost):
+    """Known-wrong variant: a replay whose launches lost the slot of one input keep reading the first
+    call's tensor; the bitwise comparison with the full path, as the tests above make it, must reject it."""
+    select(selection_case(1))
+    (step,) = selections()
+    for kind, *rest in step.steps:
+        if kind == "launch":
+            rest[0].slots = [s for s in rest[0].slots if s[1] != lost]
+    step.names.discard(lost)
+    second = selection_case(2)
+    stale = select(second)
+    assert sel._SELECTIONS.hits == 1
+    sel._SELECTIONS.clear()
+    assert not torch.equal(stale, select(second)), f"a stale {lost} went unnoticed"
+
+
+def test_a_scratch_over_the_cap_is_not_recorded(monkeypatch):
+    monkeypatch.setattr(sel, "REPLAY_MAX_SCRATCH_BYTES", 0)
+    for seed in (1, 2):
+        case = selection_case(seed)
+        assert torch.equal(select(case), select(case, backend="torch"))
+    assert not any(isinstance(e, replay.Replay) for e in selections()) and sel._SELECTIONS.hits == 0
+
+
+def test_inputs_at_one_address_are_served_unrecorded():
+    """``positions`` passed as ``token_to_req`` too (a replay refuses two inputs at one address): the full
+    path serves it, and the fingerprint is recorded by the next call with distinct tensors."""
+    q, kc, bt, req, pos, seq = selection_case(1)
+    same = req.long()
+    assert torch.equal(select((q, kc, bt, same, same, seq)), select((q, kc, bt, same, same, seq), backend="torch"))
+    assert selections() == []
+    select((q, kc, bt, same, same.clone(), seq))
+    assert isinstance(selections()[0], replay.Replay)
+
+
+def test_bad_selection_input_is_refused_after_a_replayed_shape():
+    case = selection_case(1)
+    select(case)
+    select(case, out=poisoned_out(case))
+    assert sel._SELECTIONS.hits == 0 and len(selections()) == 2
+    q, kc, bt, req, pos, seq = case
+    with pytest.raises(TypeError, match="index_q"):
+        select((q.double(), kc, bt, req, pos, seq))
+    with pytest.raises(TypeError, match="index_q"):
+        select((q.to(torch.int32), kc, bt, req, pos, seq))
+    with pytest.raises(TypeError, match="block_table"):
+        select((q, kc, bt.long(), req, pos, seq))
+    with pytest.raises(TypeError, match="k must be"):
+        qsa.select_tokens(*case, block_size=BS, k=True)
+    with pytest.raises(TypeError, match="k must be"):
+        qsa.select_tokens(*case, block_size=BS, k=float(K))
+    with pytest.raises(TypeError, match="out"):
+        select(case, out=poisoned_out(case).long())
+    with pytest.raises(ValueError, match="contiguous last dimension"):
+        select(case, out=torch.empty(4 * K + 3, q.shape[0], dtype=torch.int32).t())
+    with pytest.raises(ValueError, match="share memory"):
+        select(case, out=torch.empty(1, 4 * K + 3, dtype=torch.int32).expand(q.shape[0], -1))
+    with pytest.raises(ValueError, match="rows per block"):
+        qsa.select_tokens(*case, block_size=2 * BS, k=K)
+    assert sel._SELECTIONS.hits == 0, "a bad input was served by a replay"
+
+
+# write_kv
+
+
+def write_case(seed, kv="auto", dtype=torch.float16, layout="interleaved", T=5):
+    """A NaN-filled cache and ``T`` new rows (the last slot skipped): new tensors and values every seed."""
+    g = torch.Generator().manual_seed(seed)
+    scales = dict(k_scale=0.5, v_scale=2.0) if kv == "fp8_e4m3" else {}
+    cache = allocate_kv_cache(6, 8, 2, 16, dtype=dtype, kv_cache_dtype=kv, layout=layout, fill="nan", **scales)
+    k = (torch.randn(T, 2, 16, generator=g) * 40).to(dtype)
+    v = (torch.randn(T, 2, 16, generator=g) * 40).to(dtype)
+    slots = torch.randperm(6 * 8, generator=g)[:T]
+    slots[-1] = -1
+    return cache, k, v, slots
+
+
+def write(cache, k, v, slots):
+    cache.write(k, v, slots)
+
+
+def copy_of(cache: PagedKVCache) -> PagedKVCache:
+    if cache.storage is not None:
+        return PagedKVCache.from_storage(cache.storage.clone(), kv_cache_dtype=cache.kv_cache_dtype,
+                                         k_scale=cache.k_scale, v_scale=cache.v_scale)
+    return PagedKVCache(cache.k.clone(), cache.v.clone(), None, cache.kv_cache_dtype, cache.k_scale, cache.v_scale)
+
+
+def same_bytes(a: PagedKVCache, b: PagedKVCache) -> bool:
+    return all(torch.equal(x.contiguous().view(torch.uint8), y.contiguous().view(torch.uint8))
+               for x, y in ((a.k, b.k), (a.v, b.v)))
+
+
+def writes():
+    return list(paged._WRITES.entries.values())
+
+
+@pytest.mark.parametrize("kv,dtype,layout", [("auto", torch.float16, "interleaved"),
+                                             ("auto", torch.bfloat16, "separate"),
+                                             ("fp8_e4m3", torch.bfloat16, "interleaved")])
+def test_a_write_replay_gives_the_full_paths_bits(kv, dtype, layout):
+    first = write_case(1, kv, dtype, layout)
+    write(*first)
+    assert len(writes()) == 1 and isinstance(writes()[0][0], replay.Replay), "the first call recorded no replay"
+    cache, k, v, slots = write_case(2, kv, dtype, layout)
+    before = copy_of(cache)
+    write(cache, k, v, slots)
+    assert paged._WRITES.hits == 1, "the second call was not replayed"
+    paged._WRITES.clear()
+    write(before, k, v, slots)
+    assert same_bytes(cache, before), "replay vs full path"
+    reference = write_case(2, kv, dtype, layout)[0]
+    paged.write_kv(reference.k, reference.v, k, v, slots, kv_cache_dtype=kv, k_scale=reference.k_scale,
+                   v_scale=reference.v_scale, backend="torch")
+    assert same_bytes(cache, reference), "full path vs the PyTorch path"
+
+
+def test_a_write_replay_that_lost_an_input_is_caught():
+    """Known-wrong variant: a replay whose launch lost the slot of ``k`` writes the first call's rows."""
+    write(*write_case(1))
+    step = writes()[0][0]
+    for kind, *rest in step.steps:
+        if kind == "launch":
+            rest[0].slots = [s for s in rest[0].slots if s[1] != "k"]
+    step.names.discard("k")
+    cache, k, v, slots = write_case(2)
+    before = copy_of(cache)
+    write(cache, k, v, slots)
+    assert paged._WRITES.hits == 1
+    paged._WRITES.clear()
+    write(before, k, v, slots)
+    assert not same_bytes(cache, before), "a stale k went unnoticed"
+
+
+def test_a_write_of_another_shape_or_under_other_settings_is_not_replayed(monkeypatch):
+    write(*write_case(1))
+    write(*write_case(2, T=6))
+    assert paged._WRITES.hits == 0 and len(writes()) == 2, "a replay served another shape"
+    cache, k, v, slots = write_case(3)
+    paged.write_kv(cache.k, cache.v, k, v, slots, k_scale=2.0)  # another scale: another fingerprint
+    assert paged._WRITES.hits == 0 and len(writes()) == 3
+    monkeypatch.setattr(settings, "MAX_SPLITS", settings.MAX_SPLITS + 1)
+    write(*write_case(4))
+    assert paged._WRITES.hits == 0 and len(writes()) == 1, "a replay served a call under other settings"
+
+
+def test_k_and_v_one_tensor_take_the_full_path():
+    cache, k, _, slots = write_case(1)
+    reference = copy_of(cache)
+    paged.write_kv(cache.k, cache.v, k, k, slots)
+    paged.write_kv(cache.k, cache.v, k, k, slots)
+    assert writes() == [], "inputs at one address were recorded"
+    paged.write_kv(reference.k, reference.v, k, k, slots, backend="torch")
+    assert same_bytes(cache, reference)
+    paged.write_kv(cache.k, cache.v, k, k.clone(), slots)  # distinct tensors: the fingerprint is recorded
+    assert isinstance(writes()[0][0], replay.Replay)
+    paged.write_kv(cache.k, cache.v, k, k, slots)  # a replay reads k for both, as the full path does
+    assert paged._WRITES.hits == 1 and same_bytes(cache, reference)
+
+
+def test_overlapping_caches_are_refused_after_a_replayed_layout(monkeypatch):
+    """The disjointness of K and V depends on where they lie, not only on their layout: caches of the
+    recorded layout that share elements must take the full path and be refused; caches of that layout
+    apart are replayed."""
+    cache, k, v, slots = write_case(1)
+    write(cache, k, v, slots)
+    full_calls = []
+    full = paged._write_kv_full
+    monkeypatch.setattr(paged, "_write_kv_full", lambda *a: full_calls.append(a) or full(*a))
+    shifted = torch.as_strided(cache.storage, cache.v.shape, cache.v.stride(), cache.k.storage_offset() + 1)
+    assert replay.tensor_key(shifted) == replay.tensor_key(cache.v)
+    with pytest.raises(ValueError, match="must not share memory"):
+        paged.write_kv(cache.k, shifted, k, v, slots)
+    with pytest.raises(ValueError, match="must not share memory"):
+        paged.write_kv(cache.k, cache.k, k, v, slots)
+    assert len(full_calls) == 2
+    other = write_case(2)[0]
+    apart_before = copy_of(other)
+    paged.write_kv(cache.k, other.v, k, v, slots)  # the V half of another storage: apart
+    assert len(full_calls) == 2, "caches apart were not replayed"
+    paged._WRITES.clear()
+    paged.write_kv(cache.k, apart_before.v, k, v, slots)
+    assert torch.equal(other.v.contiguous().view(torch.uint8), apart_before.v.contiguous().view(torch.uint8))
+
+
+def test_bad_write_input_is_refused_after_a_replayed_shape():
+    cache, k, v, slots = write_case(1, "fp8_e4m3", torch.bfloat16)
+    for _ in range(2):
+        write(cache, k, v, slots)
+    assert paged._WRITES.hits == 1
+    kw = dict(kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=2.0)
+    with pytest.raises(TypeError, match="slot_mapping"):
+        paged.write_kv(cache.k, cache.v, k, v, slots.float(), **kw)
+    with pytest.raises(TypeError, match="k must have dtype"):
+        paged.write_kv(cache.k, cache.v, k.to(torch.int32), v.to(torch.int32), slots, **kw)
+    with pytest.raises(ValueError, match="k_scale"):
+        paged.write_kv(cache.k, cache.v, k, v, slots, kv_cache_dtype="fp8_e4m3", k_scale=-0.5, v_scale=2.0)
+    with pytest.raises(TypeError, match="v_scale"):
+        paged.write_kv(cache.k, cache.v, k, v, slots, kv_cache_dtype="fp8_e4m3", k_scale=0.5, v_scale=True)
+    with pytest.raises(ValueError, match="slot_mapping must be contiguous"):
+        paged.write_kv(cache.k, cache.v, k, v, torch.stack([slots, slots], 1)[:, 0], **kw)
+    with pytest.raises(ValueError, match="kv_cache_dtype"):
+        paged.write_kv(cache.k, cache.v, k, v, slots, kv_cache_dtype="fp8", k_scale=0.5, v_scale=2.0)
+    assert paged._WRITES.hits == 1, "a bad input was served by a replay"
