@@ -94,6 +94,47 @@ def _profile(fn) -> None:
     print(events.table(sort_by=key, row_limit=15), flush=True)
 
 
+def _host_profile(layer, x, meta, cache, reps: int) -> dict:
+    """Host time (us, median of ``reps``) of each stage of one eager step of ``layer``, and of the whole
+    step: each stage's call is timed from entry to return with the device idle before the step, so what it
+    measures is the work of enqueueing (checks, binding, launches), not the kernels."""
+    from qsa.attention import api
+    from qsa.model import ops
+
+    stages = {"project": (layer, "project"), "write_kv": (ops, "write_kv_impl"),
+              "update_compressed_keys": (ops, "update_compressed_keys_impl"),
+              "select_tokens": (ops, "select_tokens_impl"), "plan_attention": (api, "plan_attention"),
+              "run_attention": (api, "run_attention")}
+    spent = {name: [] for name in (*stages, "step")}
+
+    def timed(name, fn):
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                spent[name].append(time.perf_counter() - t)
+        return wrapper
+
+    originals = {name: getattr(owner, attr) for name, (owner, attr) in stages.items()}
+    try:
+        for name, (owner, attr) in stages.items():
+            setattr(owner, attr, timed(name, originals[name]))
+        for _ in range(reps):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            layer(x, meta, cache)
+            spent["step"].append(time.perf_counter() - t)
+    finally:
+        for name, (owner, attr) in stages.items():
+            if owner is layer:
+                delattr(layer, attr)  # the bound method again
+            else:
+                setattr(owner, attr, originals[name])
+        torch.cuda.synchronize()
+    return {name: round(1e6 * statistics.median(v), 1) for name, v in spent.items() if v}
+
+
 def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
     from qsa.cache.paged import BlockAllocator
     from qsa.model.layer import QSAAttention, QSAConfig, StepMetadata
@@ -160,6 +201,8 @@ def _worker(rank: int, world: int, port: int, args, out_path: str) -> None:
             times[f"{step}_graph_ms"] = _graph_ms(lambda: layer(xs, ms, cache), args.reps)
             if args.compile:
                 times[f"{step}_compiled_ms"] = _compiled_ms(layer, xs, ms, cache, args.reps)
+            if args.host_profile and world == 1:
+                times[f"{step}_host_us"] = _host_profile(layer, xs, ms, cache, args.reps)
             say(f"{step} " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}"
                                        for k, v in times.items() if k.startswith(step)))
         if args.profile and world == 1:  # alone: a profiled call on one rank would wait for the others
@@ -184,6 +227,9 @@ def main(argv=None) -> int:
     p.add_argument("--block-size", type=int, default=64)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--profile", action="store_true", help="print the kernels of one eager decode step (rank 0)")
+    p.add_argument("--host-profile", action="store_true",
+                   help="also record the host time of each stage of one eager step (TP1 only): "
+                        "<step>_host_us in the rows")
     p.add_argument("--compile", action="store_true", help="also time each step through torch.compile of the layer")
     p.add_argument("--replay", action=argparse.BooleanOptionalAction, default=None,
                    help="eager calls replay their recorded launches, or (--no-replay) take the full path "
@@ -220,6 +266,10 @@ def main(argv=None) -> int:
             print(f"{r['tp']:>3d} {r['heads']:>10s} {step:>8s} {eager:>9.3f} "
                   f"{graph if not num else f'{graph:.3f}':>9} {f'{eager / graph:.2f}' if num else '-':>11s} "
                   f"{comp if not isinstance(comp, float) else f'{comp:.3f}'!s:>11}")
+    for r in rows:
+        for step in ("prefill", "decode"):
+            if f"{step}_host_us" in r:
+                print(f"TP{r['tp']} {step} host us: " + ", ".join(f"{k} {v}" for k, v in r[f"{step}_host_us"].items()))
     if args.json:
         record = {"device": torch.cuda.get_device_name(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "torch": torch.__version__,
                   "settings": {k: v for k, v in vars(args).items() if k != "json"}, "rows": rows}
