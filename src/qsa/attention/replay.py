@@ -25,6 +25,7 @@ buffers), and nothing is recorded or replayed during CUDA-graph capture.
 from __future__ import annotations
 
 import functools
+import operator
 import os
 import threading
 from collections import OrderedDict
@@ -201,27 +202,56 @@ class Replay:
             else:
                 L.template = list(args)
             self.steps.append(("launch", L))
+        self._gather()
+
+    def _gather(self) -> None:
+        """Prepare the GPU path's launches for :meth:`__call__`: each launch's arguments are picked in one C
+        call (``operator.itemgetter``) from one list, the inputs' pointers (in :attr:`order`), the stream,
+        then every launch's recorded arguments."""
+        if not self.cuda:
+            return
+        self.order = tuple(sorted(self.names))
+        where = {name: j for j, name in enumerate(self.order)}
+        self.aligned_at = tuple(where[name] for name in self.order if name in self.aligned)
+        self.fixed = []
+        base = len(self.order) + 1
+        self.calls = []
+        for step in self.steps:
+            if step[0] == "zero":
+                self.calls.append((None, step[1]))
+                continue
+            L = step[1]
+            picks = [base + len(self.fixed) + j for j in range(len(L.template))]
+            picks[STREAM_SLOT] = len(self.order)
+            for i, name in L.slots:
+                picks[i] = where[name]
+            self.fixed += L.template
+            self.calls.append((L.call, operator.itemgetter(*picks)))
+
+    def drop_input(self, name: str) -> None:
+        """Launch the recorded pointer in place of input ``name`` from now on: a stale replay, for the
+        known-wrong variants of the tests that must catch one."""
+        for step in self.steps:
+            if step[0] == "launch":
+                step[1].slots = [s for s in step[1].slots if s[1] != name]
+        self.names.discard(name)
+        self._gather()
 
     def __call__(self, inputs: dict, stream: int) -> bool:
         """Launch the step on ``inputs`` (name -> tensor); False, launching nothing, where an input's
         alignment differs from what the compiled kernels assume."""
         if self.cuda:
-            ptr = {}
-            for name in self.names:
-                p = inputs[name].data_ptr()
-                if p & 15 and name in self.aligned:
+            values = [inputs[name].data_ptr() for name in self.order]
+            for j in self.aligned_at:
+                if values[j] & 15:
                     return False
-                ptr[name] = p
-            for step in self.steps:
-                if step[0] == "zero":
-                    step[1].zero_()
-                    continue
-                L = step[1]
-                args = L.template.copy()
-                args[STREAM_SLOT] = stream
-                for i, name in L.slots:
-                    args[i] = ptr[name]
-                L.call(*args)
+            values.append(stream)
+            values += self.fixed
+            for call, pick in self.calls:
+                if call is None:
+                    pick.zero_()  # a buffer the step owns, zeroed before the launches that count into it
+                else:
+                    call(*pick(values))
             return True
         for step in self.steps:
             if step[0] == "zero":
