@@ -211,7 +211,8 @@ def test_step_rope_tables_are_kept_while_positions_are_unchanged():
         assert torch.equal(first[0], rope_cos_sin(meta.positions, 8, 10000.0)[0])
 
 
-@pytest.mark.parametrize("route", ["reference", "auto"])
+# the Triton kernels' ordered path is also covered, on its own, by test_indexer's ordered-rows tests
+@pytest.mark.parametrize("route", ["reference", pytest.param("auto", marks=pytest.mark.lab)])
 def test_ordered_steps_skip_the_key_sorts_with_the_same_bits(device, route, monkeypatch):
     """Steps whose rows come by request and position (no padding rows) feed the compressed keys without
     sorting them (``rows_ordered``): the same outputs and caches, bit for bit, as the sorted feeding."""
