@@ -255,13 +255,7 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
                 _plan_full(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
                            num_q_heads, num_kv_heads, head_dim, route, out, workspace, order, max_query_len, rows_sorted,
                            kv_cache_dtype, index_counts)
-            try:
-                step = replay.Replay(rec, inputs, replay.tensors_of(out, []),
-                                     cuda=device.type == "cuda" and not replay.backend.interpreter_enabled(),
-                                     device_index=device.index or 0, stream=stream)
-            except replay.Uncacheable:
-                step = None
-            out.plan_replay = (key, env, step)
+            out.plan_replay = (key, env, replay.replay_of(rec, inputs, replay.tensors_of(out, []), device, stream))
             return out
     return _plan_full(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks, num_q_heads,
                       num_kv_heads, head_dim, route, out, workspace, order, max_query_len, rows_sorted, kv_cache_dtype,
@@ -438,8 +432,8 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
                         result = _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_scale,
                                               softmax_scale, out, return_lse)
                     o, lse = result if return_lse else (result, None)
-                    plan.replays.put(key, _replay_of(rec, _run_inputs(plan, q, k_cache, v_cache, gate, o, lse), plan,
-                                                     device, stream))
+                    plan.replays.put(key, replay.replay_of(rec, _run_inputs(plan, q, k_cache, v_cache, gate, o, lse),
+                                                           replay.tensors_of(plan, []), device, stream))
                     return result
     return _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_scale, softmax_scale, out,
                         return_lse)
@@ -460,16 +454,6 @@ def _run_inputs(plan: AttentionPlan, q, k_cache, v_cache, gate, out, lse) -> dic
     return dict(q=q, k_cache=k_cache, v_cache=v_cache, gate=gate, out=out, lse=lse, indices=inputs.indices,
                 block_table=inputs.block_table, token_to_req=inputs.token_to_req, positions=inputs.positions,
                 seq_lens=inputs.seq_lens, index_counts=inputs.index_counts)
-
-
-def _replay_of(rec: replay.Recorder, inputs: dict, plan: AttentionPlan, device, stream: int) -> replay.Replay | None:
-    """The recorded launches (on ``stream``) as a replay, or None where they cannot be replayed."""
-    try:
-        return replay.Replay(rec, inputs, replay.tensors_of(plan, []),
-                             cuda=device.type == "cuda" and not replay.backend.interpreter_enabled(),
-                             device_index=device.index or 0, stream=stream)
-    except replay.Uncacheable:
-        return None
 
 
 def _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_scale, softmax_scale, out, return_lse,
@@ -649,15 +633,10 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
     o, lse = result if return_lse else (result, None)
     step = None
     if plan.routes.route != "reference":
-        try:
-            step = replay.Replay(rec, dict(q=q, k_cache=k_cache, v_cache=v_cache, indices=indices,
-                                           block_table=block_table, token_to_req=token_to_req, positions=positions,
-                                           seq_lens=seq_lens, gate=gate, out=o, lse=lse, index_counts=index_counts),
-                                 replay.tensors_of(plan, []),
-                                 cuda=device.type == "cuda" and not replay.backend.interpreter_enabled(),
-                                 device_index=device.index or 0, stream=stream)
-        except replay.Uncacheable:
-            step = None
+        step = replay.replay_of(rec, dict(q=q, k_cache=k_cache, v_cache=v_cache, indices=indices, block_table=block_table,
+                                          token_to_req=token_to_req, positions=positions, seq_lens=seq_lens, gate=gate,
+                                          out=o, lse=lse, index_counts=index_counts),
+                                replay.tensors_of(plan, []), device, stream)
     _STEPS.put(key, step)
     return result
 

@@ -266,6 +266,23 @@ class Replay:
         return True
 
 
+def replay_of(rec: Recorder, inputs: dict, keep: list, device: torch.device, stream: int) -> Replay | None:
+    """The launches ``rec`` recorded on ``stream`` as a :class:`Replay` of ``inputs`` keeping ``keep``
+    alive (the compiled path on a GPU, the interpreter's otherwise), or None where they cannot be replayed."""
+    try:
+        return Replay(rec, inputs, keep, cuda=device.type == "cuda" and not backend.interpreter_enabled(),
+                      device_index=device.index or 0, stream=stream)
+    except Uncacheable:
+        return None
+
+
+def shares_pointers(inputs: dict) -> bool:
+    """Whether two of ``inputs`` (name -> tensor or None) start at one address, which a :class:`Replay`
+    refuses. A caller may serve such a call unrecorded and leave its fingerprint open to distinct tensors."""
+    ptrs = [p for p in (t.data_ptr() for t in inputs.values() if t is not None) if p]
+    return len(set(ptrs)) < len(ptrs)
+
+
 PLAIN = frozenset((float, int, bool, str, type(None)))
 """Types of the scalars a fingerprint holds: compared by value (a tensor would compare by identity)."""
 

@@ -372,14 +372,10 @@ def _write_kv_recorded(key, stream, k_cache, v_cache, k, v, slot_mapping, kv_cac
     with replay.Recorder() as rec:
         _write_kv_full(k_cache, v_cache, k, v, slot_mapping, kv_cache_dtype, k_scale, v_scale, backend)
     inputs = dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, slot_mapping=slot_mapping)
-    ptrs = [p for p in (t.data_ptr() for t in inputs.values()) if p]
-    if len(set(ptrs)) < len(ptrs):
+    if replay.shares_pointers(inputs):
         return
-    device = k_cache.device
-    try:
-        step = replay.Replay(rec, inputs, [], cuda=device.type == "cuda" and not backends.interpreter_enabled(),
-                             device_index=device.index or 0, stream=stream)
-    except replay.Uncacheable:
+    step = replay.replay_of(rec, inputs, [], k_cache.device, stream)
+    if step is None:
         _WRITES.put(key, None)
         return
     # The checks passed for this placement of v_cache relative to k_cache; whether two views of the key's

@@ -392,15 +392,6 @@ _SELECTIONS = replay.ReplayCache()
 """select_tokens' recorded steps, by call fingerprint (each owns its score-key scratch)."""
 
 
-def _shared_pointers(inputs: dict) -> bool:
-    """Whether two named inputs of a call start at one address (a :class:`~qsa.attention.replay.Replay`
-    refuses them): such a call is served unrecorded, and its fingerprint stays open to a later call with
-    distinct tensors."""
-    ptrs = [t.data_ptr() for t in inputs.values() if t is not None]
-    ptrs = [p for p in ptrs if p]
-    return len(set(ptrs)) < len(ptrs)
-
-
 def _select_tokens_recorded(key, stream, index_q, kc_cache, block_table, token_to_req, positions, seq_lens,
                             block_size, k, out, backend):
     """The first call of fingerprint ``key``: the full path under a recorder, its launches cached as a
@@ -410,16 +401,11 @@ def _select_tokens_recorded(key, stream, index_q, kc_cache, block_table, token_t
                                      block_size, k, out, backend)
     inputs = dict(index_q=index_q, kc_cache=kc_cache, block_table=block_table, token_to_req=token_to_req,
                   positions=positions, seq_lens=seq_lens, out=result)
-    if _shared_pointers(inputs):
+    if replay.shares_pointers(inputs):  # served unrecorded; the fingerprint stays open to distinct tensors
         return result
     step = None
     if sum(t.numel() * t.element_size() for t in rec.owned) <= REPLAY_MAX_SCRATCH_BYTES:
-        device = index_q.device
-        try:
-            step = replay.Replay(rec, inputs, [], cuda=device.type == "cuda" and not interpreter_enabled(),
-                                 device_index=device.index or 0, stream=stream)
-        except replay.Uncacheable:
-            step = None
+        step = replay.replay_of(rec, inputs, [], index_q.device, stream)
     _SELECTIONS.put(key, step)
     return result
 
