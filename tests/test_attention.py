@@ -61,7 +61,8 @@ def test_splitk_takes_any_group_size():
     check_route(case, "splitk")
 
 
-@pytest.mark.parametrize("route", ["grouped", "grouped-prefetch", "xqa", "xqa-prefetch", "splitk"])
+@pytest.mark.parametrize("route", ["grouped", "grouped-prefetch", pytest.param("xqa", marks=pytest.mark.slow),
+                                   pytest.param("xqa-prefetch", marks=pytest.mark.slow), pytest.param("splitk", marks=pytest.mark.slow)])
 def test_split_lists_merge_in_order(route, monkeypatch):
     """Long lists cut into splits at fixed positions and merged in order: still exact, and bitwise
     stable under relocation (the page4 routes also with the plan entries loaded a tile ahead, which must
@@ -88,8 +89,8 @@ def test_split_lists_merge_in_order(route, monkeypatch):
         assert_bitwise(base, _run(case, route), "prefetch vs no prefetch")
 
 
-@pytest.mark.parametrize("cols,warps", [(8, 2), (16, 4)])
-@pytest.mark.parametrize("route", ["xqa", "splitk"])
+@pytest.mark.parametrize("cols,warps", [pytest.param(8, 2, marks=pytest.mark.slow), (16, 4)])
+@pytest.mark.parametrize("route", ["xqa", pytest.param("splitk", marks=pytest.mark.slow)])
 def test_merge_in_column_chunks(route, cols, warps, monkeypatch):
     """The split merge with each head's columns cut over several programs (``qsa.attention.launch.merge_config``):
     exact, out and LSE (every column program stores the same LSE), and bitwise stable under relocation."""
@@ -143,7 +144,7 @@ def _run(case, route, **kw):
 
 
 
-@pytest.mark.parametrize("route", ["grouped", "xqa", "invariant", "auto"])
+@pytest.mark.parametrize("route", ["grouped", pytest.param("xqa", marks=pytest.mark.slow), pytest.param("invariant", marks=pytest.mark.slow), "auto"])
 def test_bitwise_determinism(route):
     rows = 69 if route == "auto" else 24
     case = make_attention_case(rows=rows, num_reqs=4, num_q_heads=6, num_kv_heads=1, head_dim=32,
@@ -160,7 +161,8 @@ def test_bitwise_determinism(route):
     assert_bitwise(base, _run(moved, route), "relocation into a larger cache, collision-prone ids")
 
 
-@pytest.mark.parametrize("dtype,kv_cache_dtype", [(torch.float16, "auto"), (torch.bfloat16, "auto"),
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [pytest.param(torch.float16, "auto", marks=pytest.mark.slow),
+                                                  pytest.param(torch.bfloat16, "auto", marks=pytest.mark.slow),
                                                   (torch.float16, "fp8_e4m3")])
 def test_splitk_score_halves(dtype, kv_cache_dtype, monkeypatch):
     """splitk with its scores over the head's column halves (``qk_halves``, as shipped at head_dim 256):
@@ -611,7 +613,6 @@ def test_auto_sends_a_decode_batch_to_xqa():
     assert plain.routes.grouped_rows == 64 and plain.grouped is not None
     assert (decode.routes.route, decode.routes.grouped_rows, decode.grouped) == ("xqa", 0, None)
     assert qsa.plan_attention(*args, **kw, max_query_len=2).routes.grouped_rows == 64
-    check_route(case, "xqa")
     nan = torch.full_like(case.q, float("nan"))
     auto = case.run(qsa.sparse_paged_attention, route="auto", max_query_len=1, out=nan, return_lse=True)
     assert_bitwise(auto, _run(case, "xqa"), "auto with max_query_len=1 vs xqa")
@@ -749,7 +750,7 @@ def _launch_buffers(plan):
     return ptrs
 
 
-@pytest.mark.parametrize("route", ["grouped", "xqa", "splitk", "invariant"])
+@pytest.mark.parametrize("route", ["grouped", "xqa", pytest.param("splitk", marks=pytest.mark.slow), pytest.param("invariant", marks=pytest.mark.slow)])
 def test_the_plan_decides_every_launch(route, monkeypatch):
     """Settings, splits and partials are decided by plan_attention: run_attention decides nothing (a
     route choice or split count asked for at run time fails the test), a plan refilled with ``out=`` keeps

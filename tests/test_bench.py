@@ -1,9 +1,8 @@
-"""The benchmark suite on the CPU: generators, references, the correctness gate, target evaluation and a
-tiny end-to-end run under the Triton interpreter (JSON schema, docs).
+"""The benchmark suite on the CPU: generators, references, the correctness gate, target evaluation, ``qsa
+bench`` on a tiny scenario, and a tiny end-to-end run under the Triton interpreter (JSON schema, docs).
 
-The tools around it (the launch-setting sweep, floors, the profiler driver, A/B runs) are marked ``lab``
-and left out of the default run (``python -m pytest -m lab``); a sweep of the decode workload's settings
-stays in it."""
+The end-to-end run and the tools around the suite (the launch-setting sweeps, floors, the profiler driver,
+A/B runs) are marked ``lab`` and left out of the default run (``python -m pytest -m lab``)."""
 
 import dataclasses
 import json
@@ -465,6 +464,7 @@ def test_registry_names_and_selection():
         assert any(fnmatch.fnmatchcase(n, pattern) for n in names), pattern
 
 
+@pytest.mark.lab
 def test_end_to_end_tiny_run(tmp_path, capsys):
     out, docs = tmp_path / "results", tmp_path / "docs"
     out.mkdir()
@@ -602,6 +602,7 @@ def _check_single_row_records(records):
     assert any(len(s) == 9 and s[8] for s in direct)
 
 
+@pytest.mark.lab
 def test_tune_smoke_checks_and_times_the_decode_settings(tmp_path, monkeypatch):
     """benchmarks.tune under the interpreter on its decode workload: every single-row planner and kernel
     setting (xqa planned and direct, its splits and merges, splitk) checked and timed."""

@@ -66,6 +66,7 @@ SMALL_LENS, SMALL_CHUNK, SMALL_NEW = [70, 108], 100, 3  # the demo's prompts: 70
 # chunks: 70 + 30 rows of two requests (96 grouped, 4 on xqa), then 78 rows of one (all grouped)
 
 
+@pytest.mark.slow
 def test_demo_cli_cpu_runs_the_kernels():
     """``qsa demo`` on a CPU, no interpreter in the environment: it turns the interpreter on and runs the
     Triton kernels (grouped prefill chunks, the leftover rows of a two-request chunk and decode on xqa,
@@ -174,7 +175,7 @@ def tally_mismatches(res, per_step) -> list[str]:
             for i, (s, launched) in enumerate(zip(res.steps, per_step)) if s.routes != launched]
 
 
-@pytest.mark.parametrize("route", ["auto", "splitk", "reference"])
+@pytest.mark.parametrize("route", ["auto", pytest.param("splitk", marks=pytest.mark.slow), "reference"])
 def test_step_records_are_the_kernels_launched(route, monkeypatch):
     """Each step's record of its attention routes (one count per layer) is what the launchers ran."""
     res, per_step = _generate_counting(monkeypatch, route)

@@ -78,8 +78,8 @@ def assert_batch_invariant(runner, case: AttentionCase, seed: int = 0):
 
 
 @pytest.mark.parametrize("dtype,kv_cache_dtype,halves", [
-    (torch.float16, "auto", False), (torch.float16, "auto", True), (torch.bfloat16, "auto", True),
-    (torch.float16, "fp8_e4m3", True)])
+    pytest.param(torch.float16, "auto", False, marks=pytest.mark.slow), pytest.param(torch.float16, "auto", True, marks=pytest.mark.slow),
+    pytest.param(torch.bfloat16, "auto", True, marks=pytest.mark.slow), (torch.float16, "fp8_e4m3", True)])
 def test_invariant_matches_reference_with_fold_and_merge(dtype, kv_cache_dtype, halves):
     """Messy rows (duplicates, -1, tokens past the position, the length and the table, table entries -1
     and past the cache, padding rows) over several splits: exact when the kernel folds the splits and
@@ -93,7 +93,7 @@ def test_invariant_matches_reference_with_fold_and_merge(dtype, kv_cache_dtype, 
     assert_bitwise(folded, run(case, fold=False, config=config), "fold vs merge")
 
 
-@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("fold", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_a_row_gets_the_same_bits_in_any_batch(fold):
     """The invariance check on the route's launcher with either kind of program."""
     case = make_attention_case(rows=6, num_reqs=3, num_q_heads=4, num_kv_heads=2, head_dim=32, width=40,
@@ -147,22 +147,38 @@ def _long_rows() -> AttentionCase:
     return case
 
 
-def test_the_invariance_check_rejects_batch_dependent_variants(monkeypatch):
-    """Known-wrong variants that the check must reject: splits sized by the batch (as the other routes size
-    theirs), and a merge that folds the splits in another order than the kernel's fold (a row's bits then
-    depend on which side of the fold threshold its batch falls). The shipped merge passes the same check."""
+_ONE_SPLIT = dataclasses.replace(SMALL, split_tiles=1)
+
+
+def _folded_in_the_whole_batch(c):
+    """The route with one-tile splits, folded in the kernel for the whole batch of ``_long_rows`` (6 rows) and
+    merged by the merge kernel in every other batch."""
+    return run(c, fold=c.q.shape[0] == 6, config=_ONE_SPLIT)
+
+
+def test_the_invariance_check_rejects_splits_sized_by_the_batch():
+    """A known-wrong variant that the check must reject: splits sized by the batch (as the other routes
+    size theirs)."""
+    by_batch = lambda c: run(c, config=dataclasses.replace(_ONE_SPLIT, split_tiles=1 if c.q.shape[0] == 6 else 3))  # noqa: E731
+    with pytest.raises(AssertionError, match="not bitwise equal"):
+        assert_batch_invariant(by_batch, _long_rows())
+
+
+def test_the_invariance_check_rejects_a_merge_in_another_order(monkeypatch):
+    """A known-wrong variant that the check must reject: a merge that folds the splits in another order
+    than the kernel's fold (a row's bits then depend on which side of the fold threshold its batch falls)."""
     import qsa
 
-    case = _long_rows()
-    one = dataclasses.replace(SMALL, split_tiles=1)
-    by_batch = lambda c: run(c, config=dataclasses.replace(one, split_tiles=1 if c.q.shape[0] == 6 else 3))  # noqa: E731
-    with pytest.raises(AssertionError, match="not bitwise equal"):
-        assert_batch_invariant(by_batch, case)
-    by_fold = lambda c: run(c, fold=c.q.shape[0] == 6, config=one)  # noqa: E731
-    assert_batch_invariant(by_fold, case)
     monkeypatch.setattr(qsa.attention.invariant.kernel, "invariant_merge_kernel", _ReversedMerge(qsa.attention.invariant.kernel.invariant_merge_kernel))
     with pytest.raises(AssertionError, match="not bitwise equal"):
-        assert_batch_invariant(by_fold, case)
+        assert_batch_invariant(_folded_in_the_whole_batch, _long_rows())
+
+
+@pytest.mark.slow
+def test_the_shipped_merge_passes_the_check_the_wrong_ones_fail():
+    """The shipped merge, on the rows and splits the known-wrong variants above fail on, passes the check:
+    the kernel's fold and the merge give every row the same bits in any batch."""
+    assert_batch_invariant(_folded_in_the_whole_batch, _long_rows())
 
 
 def test_invariant_settings_and_admission():

@@ -276,7 +276,7 @@ def _selection_like(s, device):
     return select_tokens(*args, block_size=m.block_size, k=TINY.index_topk, backend=m.backend).cpu()
 
 
-@pytest.mark.parametrize("route", ["reference", "auto", "grouped"])
+@pytest.mark.parametrize("route", ["reference", "auto", pytest.param("grouped", marks=pytest.mark.slow)])
 def test_layer_matches_references(device, route):
     """Chunked prefill + decode (with padding rows) against: the fp64 layer given the selection, the
     loop reference of the selection on the layer's own index queries and keys, the reference

@@ -100,7 +100,7 @@ def test_model_shapes_and_padding():
     assert all(s.rows == 4 for s in res.steps if s.kind == "decode")  # padded to max_reqs
 
 
-@pytest.mark.parametrize("route", ["reference", "auto"])
+@pytest.mark.parametrize("route", ["reference", pytest.param("auto", marks=pytest.mark.slow)])  # auto: also the demo's check
 def test_engine_bitwise_across_allocations(device, route):
     """Two block allocators with different shuffles: the same logits bit for bit (caches start NaN)."""
     model = TinyQSAModel(MICRO, device=device)

@@ -425,8 +425,8 @@ def test_zero_rows():
     assert single.num_rows == 0 and grouped.num_groups == 0
 
 
-@pytest.mark.parametrize("one_chunk", [False, True])
-@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("shuffle,one_chunk", [(False, False), pytest.param(False, True, marks=pytest.mark.slow),
+                                               pytest.param(True, False, marks=pytest.mark.slow), pytest.param(True, True, marks=pytest.mark.slow)])
 def test_runs_across_chunk_boundaries(shuffle, one_chunk, monkeypatch):
     """Long rows read in several chunks: runs of one microblock straddle chunk boundaries (sorted
     rows), or the row is out of order and goes through the sorting planner. With ``one_chunk`` the
@@ -460,6 +460,7 @@ class _Unlaunchable:
         pytest.fail("the sorting planner was launched")
 
 
+@pytest.mark.slow
 def test_row_planner_settings_give_one_plan(monkeypatch):
     """Any step width and warp count of the row planner (as ``benchmarks.tune`` sweeps them) gives the
     reference plan: one step, several steps with runs across step boundaries, rows sorted and not. A

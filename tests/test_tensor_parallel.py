@@ -132,6 +132,7 @@ def test_tensor_parallel_two_processes_gloo(tmp_path):
         assert res["reduced"] == [True] * 3, f"rank {r}: all_reduce {res['reduced']}"
 
 
+@pytest.mark.slow
 def test_tensor_parallel_four_processes_gloo(tmp_path):
     """TP4: 6 query heads and 1 KV head per rank; KV head 0 replicated on ranks 0-1, head 1 on 2-3."""
     assert [shard_heads(24, 2, TPInfo(r, 4)).kv_start for r in range(4)] == [0, 0, 1, 1]

@@ -45,9 +45,10 @@ def check(case, got):
     check_against_reference(case, got, "xqa-direct")
 
 
-@pytest.mark.parametrize("order", ["sorted", "as-given"])
-@pytest.mark.parametrize("dtype,kv_cache_dtype", [(torch.float16, "auto"), (torch.bfloat16, "auto"),
-                                                  (torch.float16, "fp8_e4m3")])
+@pytest.mark.parametrize("order,dtype,kv_cache_dtype", [
+    ("sorted", torch.float16, "auto"), ("sorted", torch.bfloat16, "auto"), ("sorted", torch.float16, "fp8_e4m3"),
+    pytest.param("as-given", torch.float16, "auto", marks=pytest.mark.slow), pytest.param("as-given", torch.bfloat16, "auto", marks=pytest.mark.slow),
+    pytest.param("as-given", torch.float16, "fp8_e4m3", marks=pytest.mark.slow)])
 def test_direct_matches_reference(order, dtype, kv_cache_dtype):
     """Messy rows (duplicates, -1, tokens past the position, the length and the table, table entries -1
     and past the cache, padding rows), as given and sorted; splits merged."""
@@ -61,7 +62,8 @@ def test_direct_matches_reference(order, dtype, kv_cache_dtype):
     check(case, run_direct(case, splits=3, defer_check=True))
 
 
-@pytest.mark.parametrize("dtype,kv_cache_dtype", [(torch.float16, "auto"), (torch.bfloat16, "auto"),
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [pytest.param(torch.float16, "auto", marks=pytest.mark.slow),
+                                                  pytest.param(torch.bfloat16, "auto", marks=pytest.mark.slow),
                                                   (torch.float16, "fp8_e4m3")])
 def test_direct_score_halves_match_reference(dtype, kv_cache_dtype):
     """``qk_halves`` (K/V as four tiles of half the head, the scores summed from two products): the messy
@@ -328,7 +330,7 @@ def test_direct_drops_tokens_past_the_length_below_the_position():
     """Rows whose position lies past their request's length (``t <= pos`` keeps tokens that ``t <
     seq_len`` drops): the direct kernel reads their table entries before the length is known and must
     drop them before any K/V load (their cache slots hold NaN). Exact, sorted and shuffled, resolved
-    and tile by tile, and bitwise the same for both orders."""
+    and tile by tile, with the plan entries loaded a tile ahead, and bitwise the same for both orders."""
     case = make_attention_case(rows=9, num_reqs=3, num_q_heads=4, num_kv_heads=1, head_dim=16, width=44,
                                max_seq_len=140, padding_rows=1, seed=29)
     idx, pos = case.indices.clone(), case.positions.clone()
@@ -340,14 +342,13 @@ def test_direct_drops_tokens_past_the_length_below_the_position():
     case.positions = pos
     case.indices = ascending_rows(idx)
     shuffled = case.with_permuted_indices(torch.Generator().manual_seed(30))
-    for splits in (1, 3):
-        for kw in (dict(), dict(resolve_split=True), dict(prefetch=True)):
-            got = run_direct(case, splits=splits, **kw)
-            check(case, got)
-            assert_bitwise(got, run_direct(shuffled, splits=splits, **kw), f"shuffled, {splits} splits, {kw}")
+    for splits, kw in ((1, dict()), (3, dict()), (3, dict(resolve_split=True)), (3, dict(prefetch=True))):
+        got = run_direct(case, splits=splits, **kw)
+        check(case, got)
+        assert_bitwise(got, run_direct(shuffled, splits=splits, **kw), f"shuffled, {splits} splits, {kw}")
 
 
-@pytest.mark.parametrize("qk_halves", [False, True])
+@pytest.mark.parametrize("qk_halves", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_direct_is_bitwise_deterministic(qk_halves):
     """Sorted vs shuffled rows (fast path vs in-kernel sort), repeats, and page moves: the same bits."""
     case = make_attention_case(rows=10, num_reqs=3, num_q_heads=6, num_kv_heads=1, head_dim=32, width=48,
@@ -532,6 +533,7 @@ def test_direct_register_cap_and_programs_per_sm(monkeypatch):
         assert seen == [want], (cap_lists, kv_cache_dtype, seen)
 
 
+@pytest.mark.slow
 def test_direct_merge_launch_settings(monkeypatch):
     """The direct kernel lets the next kernel begin launching at its start only with the deferred check;
     the deferred merge is then capped at ``DIRECT_MAX_REGISTERS`` where the direct launch fills its
@@ -648,7 +650,7 @@ def test_planned_and_direct_xqa_agree_bitwise(planned_halves, direct_halves, dty
 # 9 lists on 8 SMs: the direct kernel's two programs per SM against the planned kernel's one, rows shorter
 # than the index width among them (cut by the width's tiles, not their own); 2 lists of 38 tiles on 132 SMs:
 # its cap of 64 splits against 32 (at 64K, one list: 33 splits of 2 tiles against 32 of up to 3).
-@pytest.mark.parametrize("rows,sm_count,k,seed,at_end", [(9, 8, 40, 41, False), (2, 132, 300, 47, True)])
+@pytest.mark.parametrize("rows,sm_count,k,seed,at_end", [(9, 8, 40, 41, False), pytest.param(2, 132, 300, 47, True, marks=pytest.mark.slow)])
 def test_hint_changes_no_bit(rows, sm_count, k, seed, at_end, monkeypatch):
     """With and without the ``rows_sorted`` hint (direct kernel, planned kernel), a batch of whole-block
     rows gets the same bits at the split counts of a GPU (facts of a ``sm_count``-SM one): the planned
@@ -709,7 +711,7 @@ def test_merge_columns_by_xqa_lists():
     assert qsa.attention.launch.merge_config(9, 128, xqa_lists=1) == (128, 4)
 
 
-@pytest.mark.parametrize("few_lists", [3, 2])
+@pytest.mark.parametrize("few_lists", [pytest.param(3, marks=pytest.mark.slow), 2])
 def test_xqa_merges_take_the_columns_of_their_lists(few_lists, monkeypatch):
     """Every xqa merge asks ``merge_config`` for its launch's lists (the direct step's deferred merge, its
     merge without the deferred check, and the planned kernel's): two column programs per head where the 3
