@@ -343,7 +343,7 @@ def _checked_args(q, k_cache, v_cache, logical_indices, block_table, use_prefill
         kv_cache_dtype = _PASSED.get(key)
         if kv_cache_dtype is not None:
             gate = output_gate if output_gate.shape == q.shape and output_gate.stride(2) == 1 else \
-                output_gate.view(q.shape)
+                output_gate.view_as(q)  # view_as: no torch.Size to parse
             return kv_cache_dtype, gate
     kv_cache_dtype, gate = _check_args(q, k_cache, v_cache, logical_indices, block_table, use_prefill_config,
                                        output_gate, plans)
@@ -416,7 +416,7 @@ def _gate_view(output_gate, q):
     if tuple(output_gate.shape) == tuple(q.shape) and output_gate.stride(2) == 1:
         return output_gate
     if output_gate.is_contiguous() and output_gate.numel() == q.numel():
-        return output_gate.view(q.shape)
+        return output_gate.view_as(q)
     raise ValueError(f"output_gate must have q's shape {tuple(q.shape)} with stride 1 along D, or be contiguous "
                      f"with q's {q.numel()} elements, got shape {tuple(output_gate.shape)} and strides "
                      f"{tuple(output_gate.stride())}")
