@@ -7,12 +7,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import pytest
 import torch
 
 from qsa.attention.reference import assert_close_like_torch, reference_attention
 from qsa.cache import BlockAllocator, PagedKVCache, allocate_kv_cache, quantize_e4m3
 
 HAS_CUDA = torch.cuda.is_available()
+
+
+def slow(*values):
+    """A parametrize entry marked ``slow``: a further variant, left out of the default run."""
+    return pytest.param(*values, marks=pytest.mark.slow)
 
 
 def poisoned(shape, dtype, device):

@@ -16,7 +16,7 @@ import qsa.attention.xqa.launch
 import qsa.settings
 import qsa.utils
 from qsa.cache.paged import PagedKVCache, random_mapping
-from helpers import assert_bitwise, check_against_reference, make_attention_case
+from helpers import assert_bitwise, check_against_reference, make_attention_case, slow
 from qsa.attention.reference import assert_close_like_torch, reference_attention
 
 ROUTES = ("grouped", "xqa", "splitk", "invariant")
@@ -61,8 +61,8 @@ def test_splitk_takes_any_group_size():
     check_route(case, "splitk")
 
 
-@pytest.mark.parametrize("route", ["grouped", "grouped-prefetch", pytest.param("xqa", marks=pytest.mark.slow),
-                                   pytest.param("xqa-prefetch", marks=pytest.mark.slow), pytest.param("splitk", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("route", ["grouped", "grouped-prefetch", slow("xqa"),
+                                   slow("xqa-prefetch"), slow("splitk")])
 def test_split_lists_merge_in_order(route, monkeypatch):
     """Long lists cut into splits at fixed positions and merged in order: still exact, and bitwise
     stable under relocation (the page4 routes also with the plan entries loaded a tile ahead, which must
@@ -89,8 +89,8 @@ def test_split_lists_merge_in_order(route, monkeypatch):
         assert_bitwise(base, _run(case, route), "prefetch vs no prefetch")
 
 
-@pytest.mark.parametrize("cols,warps", [pytest.param(8, 2, marks=pytest.mark.slow), (16, 4)])
-@pytest.mark.parametrize("route", ["xqa", pytest.param("splitk", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("cols,warps", [slow(8, 2), (16, 4)])
+@pytest.mark.parametrize("route", ["xqa", slow("splitk")])
 def test_merge_in_column_chunks(route, cols, warps, monkeypatch):
     """The split merge with each head's columns cut over several programs (``qsa.attention.launch.merge_config``):
     exact, out and LSE (every column program stores the same LSE), and bitwise stable under relocation."""
@@ -144,7 +144,7 @@ def _run(case, route, **kw):
 
 
 
-@pytest.mark.parametrize("route", ["grouped", pytest.param("xqa", marks=pytest.mark.slow), pytest.param("invariant", marks=pytest.mark.slow), "auto"])
+@pytest.mark.parametrize("route", ["grouped", slow("xqa"), slow("invariant"), "auto"])
 def test_bitwise_determinism(route):
     rows = 69 if route == "auto" else 24
     case = make_attention_case(rows=rows, num_reqs=4, num_q_heads=6, num_kv_heads=1, head_dim=32,
@@ -161,8 +161,8 @@ def test_bitwise_determinism(route):
     assert_bitwise(base, _run(moved, route), "relocation into a larger cache, collision-prone ids")
 
 
-@pytest.mark.parametrize("dtype,kv_cache_dtype", [pytest.param(torch.float16, "auto", marks=pytest.mark.slow),
-                                                  pytest.param(torch.bfloat16, "auto", marks=pytest.mark.slow),
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [slow(torch.float16, "auto"),
+                                                  slow(torch.bfloat16, "auto"),
                                                   (torch.float16, "fp8_e4m3")])
 def test_splitk_score_halves(dtype, kv_cache_dtype, monkeypatch):
     """splitk with its scores over the head's column halves (``qk_halves``, as shipped at head_dim 256):
@@ -750,7 +750,7 @@ def _launch_buffers(plan):
     return ptrs
 
 
-@pytest.mark.parametrize("route", ["grouped", "xqa", pytest.param("splitk", marks=pytest.mark.slow), pytest.param("invariant", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("route", ["grouped", "xqa", slow("splitk"), slow("invariant")])
 def test_the_plan_decides_every_launch(route, monkeypatch):
     """Settings, splits and partials are decided by plan_attention: run_attention decides nothing (a
     route choice or split count asked for at run time fails the test), a plan refilled with ``out=`` keeps

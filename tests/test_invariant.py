@@ -12,7 +12,7 @@ import qsa.attention.invariant.kernel
 import qsa.attention.invariant.launch
 import qsa.settings
 from qsa.cache.paged import random_mapping
-from helpers import AttentionCase, make_attention_case
+from helpers import AttentionCase, make_attention_case, slow
 
 from helpers import assert_bitwise, check_against_reference
 
@@ -78,8 +78,8 @@ def assert_batch_invariant(runner, case: AttentionCase, seed: int = 0):
 
 
 @pytest.mark.parametrize("dtype,kv_cache_dtype,halves", [
-    pytest.param(torch.float16, "auto", False, marks=pytest.mark.slow), pytest.param(torch.float16, "auto", True, marks=pytest.mark.slow),
-    pytest.param(torch.bfloat16, "auto", True, marks=pytest.mark.slow), (torch.float16, "fp8_e4m3", True)])
+    slow(torch.float16, "auto", False), slow(torch.float16, "auto", True),
+    slow(torch.bfloat16, "auto", True), (torch.float16, "fp8_e4m3", True)])
 def test_invariant_matches_reference_with_fold_and_merge(dtype, kv_cache_dtype, halves):
     """Messy rows (duplicates, -1, tokens past the position, the length and the table, table entries -1
     and past the cache, padding rows) over several splits: exact when the kernel folds the splits and
@@ -93,7 +93,7 @@ def test_invariant_matches_reference_with_fold_and_merge(dtype, kv_cache_dtype, 
     assert_bitwise(folded, run(case, fold=False, config=config), "fold vs merge")
 
 
-@pytest.mark.parametrize("fold", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.parametrize("fold", [slow(False), True])
 def test_a_row_gets_the_same_bits_in_any_batch(fold):
     """The invariance check on the route's launcher with either kind of program."""
     case = make_attention_case(rows=6, num_reqs=3, num_q_heads=4, num_kv_heads=2, head_dim=32, width=40,
@@ -159,7 +159,9 @@ def _folded_in_the_whole_batch(c):
 def test_the_invariance_check_rejects_splits_sized_by_the_batch():
     """A known-wrong variant that the check must reject: splits sized by the batch (as the other routes
     size theirs)."""
-    by_batch = lambda c: run(c, config=dataclasses.replace(_ONE_SPLIT, split_tiles=1 if c.q.shape[0] == 6 else 3))  # noqa: E731
+    def by_batch(c):
+        return run(c, config=dataclasses.replace(_ONE_SPLIT, split_tiles=1 if c.q.shape[0] == 6 else 3))
+
     with pytest.raises(AssertionError, match="not bitwise equal"):
         assert_batch_invariant(by_batch, _long_rows())
 

@@ -13,7 +13,7 @@ import qsa.settings
 import qsa.utils
 from qsa.cache.paged import random_mapping
 from qsa.attention.planning.plan import (grouped_capacity, GroupedPlan, PAD, physical_order, plan_groups, plan_single_rows, PlanWorkspace, single_row_capacity)
-from helpers import make_attention_case
+from helpers import make_attention_case, slow
 from qsa.attention.planning.reference import compare_plans, reference_grouped_plan, reference_single_row_plan
 from qsa.attention.reference import kept_tokens as _kept_tokens
 
@@ -425,8 +425,8 @@ def test_zero_rows():
     assert single.num_rows == 0 and grouped.num_groups == 0
 
 
-@pytest.mark.parametrize("shuffle,one_chunk", [(False, False), pytest.param(False, True, marks=pytest.mark.slow),
-                                               pytest.param(True, False, marks=pytest.mark.slow), pytest.param(True, True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("shuffle,one_chunk", [(False, False), slow(False, True),
+                                               slow(True, False), slow(True, True)])
 def test_runs_across_chunk_boundaries(shuffle, one_chunk, monkeypatch):
     """Long rows read in several chunks: runs of one microblock straddle chunk boundaries (sorted
     rows), or the row is out of order and goes through the sorting planner. With ``one_chunk`` the

@@ -19,7 +19,7 @@ import qsa.settings
 import qsa.utils
 from qsa.cache.paged import random_mapping
 from qsa.attention.kernels import attend_tile_halves
-from helpers import ascending_rows, assert_bitwise, check_against_reference, make_attention_case
+from helpers import ascending_rows, assert_bitwise, check_against_reference, make_attention_case, slow
 
 
 
@@ -47,8 +47,8 @@ def check(case, got):
 
 @pytest.mark.parametrize("order,dtype,kv_cache_dtype", [
     ("sorted", torch.float16, "auto"), ("sorted", torch.bfloat16, "auto"), ("sorted", torch.float16, "fp8_e4m3"),
-    pytest.param("as-given", torch.float16, "auto", marks=pytest.mark.slow), pytest.param("as-given", torch.bfloat16, "auto", marks=pytest.mark.slow),
-    pytest.param("as-given", torch.float16, "fp8_e4m3", marks=pytest.mark.slow)])
+    slow("as-given", torch.float16, "auto"), slow("as-given", torch.bfloat16, "auto"),
+    slow("as-given", torch.float16, "fp8_e4m3")])
 def test_direct_matches_reference(order, dtype, kv_cache_dtype):
     """Messy rows (duplicates, -1, tokens past the position, the length and the table, table entries -1
     and past the cache, padding rows), as given and sorted; splits merged."""
@@ -62,8 +62,8 @@ def test_direct_matches_reference(order, dtype, kv_cache_dtype):
     check(case, run_direct(case, splits=3, defer_check=True))
 
 
-@pytest.mark.parametrize("dtype,kv_cache_dtype", [pytest.param(torch.float16, "auto", marks=pytest.mark.slow),
-                                                  pytest.param(torch.bfloat16, "auto", marks=pytest.mark.slow),
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [slow(torch.float16, "auto"),
+                                                  slow(torch.bfloat16, "auto"),
                                                   (torch.float16, "fp8_e4m3")])
 def test_direct_score_halves_match_reference(dtype, kv_cache_dtype):
     """``qk_halves`` (K/V as four tiles of half the head, the scores summed from two products): the messy
@@ -348,7 +348,7 @@ def test_direct_drops_tokens_past_the_length_below_the_position():
         assert_bitwise(got, run_direct(shuffled, splits=splits, **kw), f"shuffled, {splits} splits, {kw}")
 
 
-@pytest.mark.parametrize("qk_halves", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.parametrize("qk_halves", [slow(False), True])
 def test_direct_is_bitwise_deterministic(qk_halves):
     """Sorted vs shuffled rows (fast path vs in-kernel sort), repeats, and page moves: the same bits."""
     case = make_attention_case(rows=10, num_reqs=3, num_q_heads=6, num_kv_heads=1, head_dim=32, width=48,
@@ -650,7 +650,7 @@ def test_planned_and_direct_xqa_agree_bitwise(planned_halves, direct_halves, dty
 # 9 lists on 8 SMs: the direct kernel's two programs per SM against the planned kernel's one, rows shorter
 # than the index width among them (cut by the width's tiles, not their own); 2 lists of 38 tiles on 132 SMs:
 # its cap of 64 splits against 32 (at 64K, one list: 33 splits of 2 tiles against 32 of up to 3).
-@pytest.mark.parametrize("rows,sm_count,k,seed,at_end", [(9, 8, 40, 41, False), pytest.param(2, 132, 300, 47, True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("rows,sm_count,k,seed,at_end", [(9, 8, 40, 41, False), slow(2, 132, 300, 47, True)])
 def test_hint_changes_no_bit(rows, sm_count, k, seed, at_end, monkeypatch):
     """With and without the ``rows_sorted`` hint (direct kernel, planned kernel), a batch of whole-block
     rows gets the same bits at the split counts of a GPU (facts of a ``sm_count``-SM one): the planned
@@ -711,7 +711,7 @@ def test_merge_columns_by_xqa_lists():
     assert qsa.attention.launch.merge_config(9, 128, xqa_lists=1) == (128, 4)
 
 
-@pytest.mark.parametrize("few_lists", [pytest.param(3, marks=pytest.mark.slow), 2])
+@pytest.mark.parametrize("few_lists", [slow(3), 2])
 def test_xqa_merges_take_the_columns_of_their_lists(few_lists, monkeypatch):
     """Every xqa merge asks ``merge_config`` for its launch's lists (the direct step's deferred merge, its
     merge without the deferred check, and the planned kernel's): two column programs per head where the 3
