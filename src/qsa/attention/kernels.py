@@ -1,7 +1,8 @@
 """Pieces shared by the attention kernels: K/V tile loads, the online-softmax step, the epilogue,
 the fixed-order merge of split partials, each row's setup, and the row lists read straight from
 ``indices`` (direct xqa and invariant). Each route's kernel file imports what it needs from here;
-no kernel file imports another's."""
+no kernel file imports another's. Also the numerics the layer's and the indexer's kernels share: rounding
+to a dtype as PyTorch rounds, and one head's RMSNorm and RoPE."""
 
 import triton
 import triton.language as tl
@@ -24,6 +25,86 @@ def enter_launch(PDL: tl.constexpr):
         if PDL == 1:
             gdc_launch_dependents()
         gdc_wait()
+
+
+# ------------------------------------------------------------------------------ shared numerics
+# Rounding and the per-head RMSNorm + RoPE, shared by the layer's norm_rope kernel (qsa/model/kernels.py)
+# and the indexer's store of compressed keys (qsa/selection/kernels.py).
+
+
+@triton.jit
+def round_to(x, DTYPE: tl.constexpr):
+    """fp32 ``x`` rounded to ``DTYPE`` (round to nearest even) and returned as fp32.
+
+    bfloat16 is rounded on the bits: add ``0x7FFF`` plus the lowest kept bit, drop the low 16 bits (a
+    carry into the exponent gives the next binade or inf, as it should); NaN becomes the quiet NaN
+    ``0x7FC0`` PyTorch gives. (The Triton interpreter truncates fp32 to bfloat16 in a plain cast; on the
+    GPU this is the rounding the hardware conversion does.)"""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
+        rounded = tl.where(x != x, 0x7FC00000, rounded).to(tl.uint32)
+        return rounded.to(tl.float32, bitcast=True)
+    elif DTYPE == tl.float16:
+        return x.to(tl.float16).to(tl.float32)
+    else:
+        return x
+
+
+@triton.jit
+def norm_rope_head(
+    x_ptr,  # this head's row of HEAD_DIM elements (contiguous)
+    w_ptr,  # [HEAD_DIM] norm weight, any float dtype
+    cos_ptr,  # this row's [HALF] fp32 cos
+    sin_ptr,  # this row's [HALF] fp32 sin
+    out_ptr,  # this head's output row (contiguous)
+    stride_w,
+    eps,
+    HEAD_DIM: tl.constexpr,
+    HALF: tl.constexpr,  # rotated pairs: dims [0, HALF) with [HALF, 2 * HALF); 0: no rotation
+    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
+    KEEP_FP32: tl.constexpr,  # the norm and the rotation stay fp32 (one rounding, at the store)
+    EXACT: tl.constexpr,  # the mean of squares summed in fp64, the scale 1 / sqrt in fp64
+):
+    """RMSNorm (``1 + w``) of one head, rounded to the output's dtype, then its partial NeoX RoPE, rounded
+    again (as the PyTorch functions of :mod:`qsa.model.functional` on a tensor of that dtype); with
+    ``KEEP_FP32`` both in fp32 and rounded once, at the store (as those functions on fp32 then one cast).
+
+    The mean of squares is an fp32 sum in Triton's order and the scale the hardware's approximate rsqrt;
+    or (``EXACT``) the fp64 sum of the exact fp64 squares rounded once to fp32, which depends on the order
+    only where that sum lies within its rounding error of an fp32 rounding boundary, and the scale
+    ``1 / sqrt`` in fp64 (IEEE on every device and in the interpreter) rounded once to fp32. Each element's rotation needs its partner's normalised value
+    (``d + HALF`` for the first half, ``d - HALF`` for the second): the partner is loaded again and
+    normalised with the same scale, which gives the very value the first pass computed for it."""
+    OUT: tl.constexpr = out_ptr.dtype.element_ty
+    MID: tl.constexpr = tl.float32 if KEEP_FP32 else OUT
+    o_d = tl.arange(0, BLOCK_D)
+    m_d = o_d < HEAD_DIM
+    b_x = tl.load(x_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
+    b_w = tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(tl.float32)
+    if EXACT:
+        b_x64 = b_x.to(tl.float64)
+        mean_sq = (tl.sum(b_x64 * b_x64, axis=0) / HEAD_DIM).to(tl.float32)  # fp64 division: IEEE
+        b_r = (1.0 / tl.sqrt((mean_sq + eps).to(tl.float64))).to(tl.float32)
+    else:
+        mean_sq = tl.div_rn(tl.sum(b_x * b_x, axis=0), HEAD_DIM * 1.0)
+        b_r = tl.rsqrt(mean_sq + eps)
+    b_y = round_to(b_x * b_r * (1.0 + b_w), MID)
+    if HALF > 0:
+        m_rot = o_d < 2 * HALF
+        first = o_d < HALF
+        o_p = tl.where(first, o_d + HALF, o_d - HALF)  # the partner's dim
+        o_c = tl.where(first, o_d, o_d - HALF)  # the pair's frequency
+        b_xp = tl.load(x_ptr + o_p, mask=m_rot, other=0.0).to(tl.float32)
+        b_wp = tl.load(w_ptr + o_p * stride_w, mask=m_rot, other=0.0).to(tl.float32)
+        b_yp = round_to(b_xp * b_r * (1.0 + b_wp), MID)
+        b_c = tl.load(cos_ptr + o_c, mask=m_rot, other=1.0)
+        b_s = tl.load(sin_ptr + o_c, mask=m_rot, other=0.0)
+        b_rot = tl.where(first, b_y * b_c - b_yp * b_s, b_y * b_c + b_yp * b_s)
+        b_y = round_to(tl.where(m_rot, b_rot, b_y), MID)
+    if KEEP_FP32:
+        b_y = round_to(b_y, OUT)
+    tl.store(out_ptr + o_d, b_y.to(OUT), mask=m_d)
 
 
 @triton.jit

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .. import backend
-from ..attention.kernels import enter_launch
+from ..attention.kernels import enter_launch, norm_rope_head, round_to  # noqa: F401 (round_to: re-exported)
 from ..attention.replay import launch as launch_kernel
 from ..utils import as_finite_float, check_tensor, launch_options, next_pow2, same_device
 from .functional import apply_rope, rms_norm
@@ -39,65 +39,6 @@ MAX_HEADS = 65535
 
 
 # --------------------------------------------------------------------------------------------- kernel
-
-
-@triton.jit
-def round_to(x, DTYPE: tl.constexpr):
-    """fp32 ``x`` rounded to ``DTYPE`` (round to nearest even) and returned as fp32.
-
-    bfloat16 is rounded on the bits: add ``0x7FFF`` plus the lowest kept bit, drop the low 16 bits (a
-    carry into the exponent gives the next binade or inf, as it should); NaN becomes the quiet NaN
-    ``0x7FC0`` PyTorch gives."""
-    if DTYPE == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) << 16
-        rounded = tl.where(x != x, 0x7FC00000, rounded).to(tl.uint32)
-        return rounded.to(tl.float32, bitcast=True)
-    elif DTYPE == tl.float16:
-        return x.to(tl.float16).to(tl.float32)
-    else:
-        return x
-
-
-@triton.jit
-def norm_rope_head(
-    x_ptr,  # this head's row of HEAD_DIM elements (contiguous)
-    w_ptr,  # [HEAD_DIM] norm weight, any float dtype
-    cos_ptr,  # this row's [HALF] fp32 cos
-    sin_ptr,  # this row's [HALF] fp32 sin
-    out_ptr,  # this head's output row (contiguous)
-    stride_w,
-    eps,
-    HEAD_DIM: tl.constexpr,
-    HALF: tl.constexpr,  # rotated pairs: dims [0, HALF) with [HALF, 2 * HALF); 0: no rotation
-    BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
-):
-    """RMSNorm (``1 + w``) of one head, rounded to the output dtype, then its partial NeoX RoPE, rounded.
-
-    Each element's rotation needs its partner's normalised value (``d + HALF`` for the first half,
-    ``d - HALF`` for the second): the partner is loaded again and normalised with the same scale, which
-    gives the very value the first pass computed for it."""
-    DTYPE: tl.constexpr = out_ptr.dtype.element_ty
-    o_d = tl.arange(0, BLOCK_D)
-    m_d = o_d < HEAD_DIM
-    b_x = tl.load(x_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
-    b_w = tl.load(w_ptr + o_d * stride_w, mask=m_d, other=0.0).to(tl.float32)
-    mean_sq = tl.div_rn(tl.sum(b_x * b_x, axis=0), HEAD_DIM * 1.0)
-    b_r = tl.rsqrt(mean_sq + eps)
-    b_y = round_to(b_x * b_r * (1.0 + b_w), DTYPE)
-    if HALF > 0:
-        m_rot = o_d < 2 * HALF
-        first = o_d < HALF
-        o_p = tl.where(first, o_d + HALF, o_d - HALF)  # the partner's dim
-        o_c = tl.where(first, o_d, o_d - HALF)  # the pair's frequency
-        b_xp = tl.load(x_ptr + o_p, mask=m_rot, other=0.0).to(tl.float32)
-        b_wp = tl.load(w_ptr + o_p * stride_w, mask=m_rot, other=0.0).to(tl.float32)
-        b_yp = round_to(b_xp * b_r * (1.0 + b_wp), DTYPE)
-        b_c = tl.load(cos_ptr + o_c, mask=m_rot, other=1.0)
-        b_s = tl.load(sin_ptr + o_c, mask=m_rot, other=0.0)
-        b_rot = tl.where(first, b_y * b_c - b_yp * b_s, b_y * b_c + b_yp * b_s)
-        b_y = round_to(tl.where(m_rot, b_rot, b_y), DTYPE)
-    tl.store(out_ptr + o_d, b_y.to(DTYPE), mask=m_d)
 
 
 @triton.jit
@@ -139,19 +80,19 @@ def norm_rope_kernel(
         norm_rope_head(q_ptr + i_t * stride_qt + i_h * stride_qh, q_w_ptr,
                        cos_ptr + i_t * stride_cos, sin_ptr + i_t * stride_sin,
                        q_out_ptr + (i_t * Hq + i_h) * HEAD_DIM, stride_qw, eps,
-                       HEAD_DIM, HALF, BLOCK_D)
+                       HEAD_DIM, HALF, BLOCK_D, False, False)
     elif i_h < Hq + Hkv:
         i_k = i_h - Hq
         norm_rope_head(k_ptr + i_t * stride_kt + i_k * stride_kh, k_w_ptr,
                        cos_ptr + i_t * stride_cos, sin_ptr + i_t * stride_sin,
                        k_out_ptr + (i_t * Hkv + i_k) * HEAD_DIM, stride_kw, eps,
-                       HEAD_DIM, HALF, BLOCK_D)
+                       HEAD_DIM, HALF, BLOCK_D, False, False)
     else:
         i_i = i_h - Hq - Hkv
         norm_rope_head(iq_ptr + i_t * stride_it + i_i * stride_ih, iq_w_ptr,
                        icos_ptr + i_t * stride_icos, isin_ptr + i_t * stride_isin,
                        iq_out_ptr + (i_t * Hi + i_i) * INDEX_DIM, stride_iw, eps,
-                       INDEX_DIM, INDEX_HALF, BLOCK_DI)
+                       INDEX_DIM, INDEX_HALF, BLOCK_DI, False, False)
 
 
 # --------------------------------------------------------------------------------------------- launcher
