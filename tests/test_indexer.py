@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from benchmarks.baselines import torch_select_baseline
-from helpers import poisoned
+from helpers import poisoned, slow
 import qsa
 import qsa.selection.api
 import qsa.selection.reference
@@ -559,6 +559,89 @@ def test_compressed_keys_of_ordered_rows_skip_the_sort(device, backend):
     assert not torch.equal(wrong[0].nan_to_num(7.0), want[0].nan_to_num(7.0)), "a broken promise went unseen"
     with pytest.raises(TypeError, match="rows_ordered"):
         feed(fresh(), steps[:1], rows_ordered=1)
+
+
+def _key_rope(pos, rot, theta=1e4):
+    """The RoPE tables of each row's group start 4 * (pos // 4), as the layer passes them."""
+    from qsa.model.functional import rope_cos_sin
+
+    return rope_cos_sin(torch.div(pos, 4, rounding_mode="floor") * 4, rot, theta) if rot else (None, None)
+
+
+@pytest.mark.parametrize("dtype,rot,with_weight,ordered", [(torch.float32, 8, True, True),
+                                                           (torch.bfloat16, 8, True, False),
+                                                           (torch.float16, 0, False, True),
+                                                           slow(torch.float32, 16, False, False)])
+def test_fused_norm_rope_gives_the_transforms_bits(device, dtype, rot, with_weight, ordered):
+    """``norm_rope=(weight, eps, cos, sin)``: the Triton store normalises and rotates the closing rows'
+    means itself (no PyTorch op). Every bit is the PyTorch path's, the ``transform=index_key_transform(...)``
+    path's and the reference compressed keys', over prefill chunks, MTP and decode steps whose groups
+    span steps (the open groups held in ``partial``). Known-wrong transforms (the mean of squares summed in
+    fp32, RoPE at each closing row's own position instead of the group start, the norm without
+    ``1 + w``) give other keys, which the same comparison sees."""
+    from qsa.model.functional import apply_rope, index_key_transform, rms_norm, rope_cos_sin
+
+    if device == "cpu" and not qsa.utils.interpreter_enabled():
+        pytest.skip("the Triton path needs the interpreter on the CPU")
+    D, block_size, max_blocks, num_reqs, eps, theta = 32, 8, 4, 2, 1e-6, 1e4
+    g = _gen(41)
+    raw = torch.randn(2, 15, D, generator=g) * 3.0
+    weight = (torch.randn(D, generator=g) * 0.3).to(device) if with_weight else None
+    bt = torch.randperm(num_reqs * max_blocks, generator=g).reshape(num_reqs, max_blocks).to(torch.int32).to(device)
+    steps = [[(0, p) for p in range(6)] + [(1, p) for p in range(5)],
+             [(0, 6), (0, 7), (0, 8), (1, 5)], [(0, 9), (1, 6)], [(0, 10), (1, 7)], [(0, 11), (1, 8)],
+             [(0, p) for p in range(12, 15)] + [(1, p) for p in range(9, 13)]]
+
+    def feed(backend, **kw):
+        kc = torch.full((num_reqs * max_blocks, block_size // 4, D), NAN, dtype=dtype, device=device)
+        partial = torch.full((num_reqs, 3, D), NAN, device=device)  # a slot read before it is written shows
+        for rows in steps:
+            rows = rows if ordered else list(reversed(rows))
+            reqs = torch.tensor([r for r, _ in rows], dtype=torch.int32, device=device)
+            pos = torch.tensor([p for _, p in rows], dtype=torch.int64, device=device)
+            keys = torch.stack([raw[r, p] for r, p in rows]).to(device)
+            extra = dict(norm_rope=(weight, eps, *_key_rope(pos, rot, theta))) if "transform" not in kw else {}
+            qsa.selection.api.update_compressed_keys(keys, reqs, pos, kc, bt, partial, block_size=block_size,
+                                                     backend=backend, rows_ordered=ordered, **extra, **kw)
+        return kc.cpu()
+
+    def keys_of(kc):
+        rpb = block_size // 4
+        return torch.cat([torch.stack([kc[int(bt[r, b // rpb]), b % rpb] for b in range(n // 4)])
+                          for r, n in ((0, 15), (1, 13))])
+
+    def reference(transform):
+        return torch.cat([qsa.selection.reference.compressed_keys_reference(raw[r, :n].to(device), transform)
+                          for r, n in ((0, 15), (1, 13))]).to(dtype).cpu()
+
+    fused = feed("triton")
+    got = keys_of(fused)
+    assert torch.isfinite(got).all()
+    transform = index_key_transform(weight, eps, rot, theta)
+    assert torch.equal(got, reference(transform)), "fused store vs the reference compressed keys"
+    assert torch.equal(fused.nan_to_num(7.0), feed("torch").nan_to_num(7.0)), "Triton vs PyTorch path"
+    assert torch.equal(fused.nan_to_num(7.0), feed("torch", transform=transform).nan_to_num(7.0)), \
+        "norm_rope vs the transform callable"
+
+    def fp32_sum(kc, b):
+        cos, sin = rope_cos_sin(4 * b, rot, theta) if rot else (kc[:, :0], kc[:, :0])
+        return apply_rope(rms_norm(kc, weight, eps), cos, sin)
+
+    def at_closing_row(kc, b):
+        return qsa.selection.reference.norm_rope_keys(kc, weight, eps, *rope_cos_sin(4 * b + 3, rot, theta))
+
+    def without_weight(kc, b):
+        return index_key_transform(None, eps, rot, theta)(kc, b)
+
+    wrong = {"fp32 sum": fp32_sum}
+    if rot:
+        wrong["RoPE at the closing row"] = at_closing_row
+    if with_weight:
+        wrong["no 1 + w"] = without_weight
+    if dtype != torch.float32:
+        wrong.pop("fp32 sum")  # a last-bit difference of fp32 that the cast may hide
+    for name, variant in wrong.items():
+        assert not torch.equal(got, reference(variant)), f"known-wrong variant {name!r} passes"
 
 
 def test_compressed_keys_invalid_table_entry_skipped(device):

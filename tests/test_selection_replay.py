@@ -1,4 +1,4 @@
-"""Replayed eager calls of ``select_tokens`` and ``write_kv`` (qsa.attention.replay): the second call of a
+"""Replayed eager calls of ``select_tokens``, ``write_kv`` and ``update_compressed_keys`` (qsa.attention.replay): the second call of a
 fingerprint launches what the first recorded.
 
 A replay must give the bits the full path gives on the same inputs, with every input a new tensor at a new
@@ -25,11 +25,11 @@ K = 3  # blocks per row
 def replays_on(monkeypatch):
     monkeypatch.setattr(replay, "ON_INTERPRETER", True)
     monkeypatch.setattr(settings, "REPLAY_STEPS", True)
-    sel._SELECTIONS.clear()
-    paged._WRITES.clear()
+    for cache in (sel._SELECTIONS, paged._WRITES, sel._UPDATES):
+        cache.clear()
     yield
-    sel._SELECTIONS.clear()
-    paged._WRITES.clear()
+    for cache in (sel._SELECTIONS, paged._WRITES, sel._UPDATES):
+        cache.clear()
 
 
 # select_tokens
@@ -314,3 +314,126 @@ def test_bad_write_input_is_refused_after_a_replayed_shape():
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         paged.write_kv(cache.k, cache.v, k, v, slots, kv_cache_dtype="fp8", k_scale=0.5, v_scale=2.0)
     assert paged._WRITES.hits == 1, "a bad input was served by a replay"
+
+
+# update_compressed_keys
+
+
+def key_case(seed, dtype=torch.bfloat16, weight=True, rot=8):
+    """One ordered step of 2 requests (a chunk of request 0 whose first group opened in an earlier step, then
+    a prefill chunk of request 1), the layer's norm_rope, NaN-filled caches: new tensors and values every
+    seed."""
+    from qsa.model.functional import rope_cos_sin
+
+    g = torch.Generator().manual_seed(seed)
+    D, rpb, num_blocks = 16, BS // 4, 8
+    req = torch.tensor([0] * 6 + [1] * 9, dtype=torch.int32)
+    pos = torch.cat([torch.arange(2, 8), torch.arange(0, 9)])
+    raw = torch.randn(req.shape[0], D, generator=g) * 3
+    bt = torch.randperm(num_blocks, generator=g)[:4].reshape(2, 2).to(torch.int32)
+    kc = torch.full((num_blocks, rpb, D), float("nan"), dtype=dtype)
+    partial = torch.full((2, 3, D), float("nan"))
+    partial[0, :2] = torch.randn(2, D, generator=g)  # request 0's open group: positions 0 and 1
+    w = torch.randn(D, generator=g) * 0.2 if weight else None
+    cos, sin = rope_cos_sin(torch.div(pos, 4, rounding_mode="floor") * 4, rot, 1e4 * seed) if rot else (None, None)
+    return dict(raw_k=raw, token_to_req=req, positions=pos, kc_cache=kc, block_table=bt, partial=partial,
+                norm_rope=(w, 1e-6, cos, sin))
+
+
+def update(c, **kw):
+    kw = {"rows_ordered": True, **kw}
+    sel.update_compressed_keys(c["raw_k"], c["token_to_req"], c["positions"], c["kc_cache"], c["block_table"],
+                               c["partial"], block_size=BS, norm_rope=c["norm_rope"], **kw)
+    return c["kc_cache"], c["partial"]
+
+
+def copy_case(c):
+    return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in c.items()}
+
+
+def updates():
+    return list(sel._UPDATES.entries.values())
+
+
+def same(a, b):
+    return all(torch.equal(x.nan_to_num(7.0), y.nan_to_num(7.0)) for x, y in zip(a, b))
+
+
+@pytest.mark.parametrize("dtype,weight,rot", [(torch.bfloat16, True, 8), (torch.float32, False, 0)])
+def test_a_key_update_replay_gives_the_full_paths_bits(dtype, weight, rot):
+    first = key_case(1, dtype, weight, rot)
+    a = update(first)
+    assert len(updates()) == 1 and isinstance(updates()[0], replay.Replay), "the first call recorded no replay"
+    for t in updates()[0].keep:
+        if t.shape[0] != first["raw_k"].shape[1]:  # the scratch, not the (1 + 0) weight
+            t.fill_(float("nan") if t.is_floating_point() else 1 << 40)  # scratch read before written would show
+    second = key_case(2, dtype, weight, rot)  # the first case stays alive: every tensor is at a new address
+    full_in, torch_in = copy_case(second), copy_case(second)
+    got = update(second)
+    assert sel._UPDATES.hits == 1, "the second call was not replayed"
+    sel._UPDATES.clear()
+    full = update(full_in)
+    assert same(got, full), "replay vs full path"
+    assert same(full, update(torch_in, backend="torch")), "full path vs the PyTorch path"
+    assert not same(a, got), "the two cases write alike: the test proves nothing"
+    assert torch.isfinite(got[0][first["block_table"].long()].float()).any()
+
+
+@pytest.mark.parametrize("lost", ["raw_k", "partial", "cos"])
+def test_a_key_update_replay_that_lost_an_input_is_caught(lost):
+    """Known-wrong variant: a replay that launches the first call's tensor in place of one input; the
+    comparison with the full path, as above, must reject it."""
+    update(key_case(1))
+    (step,) = updates()
+    step.drop_input(lost)
+    second = key_case(2)
+    full_in = copy_case(second)
+    stale = update(second)
+    assert sel._UPDATES.hits == 1
+    sel._UPDATES.clear()
+    assert not same(stale, update(full_in)), f"a stale {lost} went unnoticed"
+
+
+def test_key_updates_that_sort_transform_or_refuse_on_the_host_are_not_recorded():
+    """Only ordered rows with no transform callable are recorded; a call with ``next_pos`` on the CPU checks
+    its refusals on the host between launches, so it takes the full path too."""
+    c = key_case(1)
+    update(c, rows_ordered=False)
+    sel.update_compressed_keys(c["raw_k"], c["token_to_req"], c["positions"], c["kc_cache"], c["block_table"],
+                               c["partial"], block_size=BS, transform=lambda kc, b: kc * 2, rows_ordered=True)
+    update(c, next_pos=torch.tensor([2, 0]))
+    update(c, backend="torch")
+    assert updates() == [] and sel._UPDATES.hits == 0
+
+
+def test_a_key_update_of_another_shape_or_eps_is_not_replayed():
+    update(key_case(1))
+    c = key_case(2)
+    c["norm_rope"] = (c["norm_rope"][0], 1e-5, *c["norm_rope"][2:])
+    update(c)
+    update(key_case(3, weight=False))
+    update(key_case(4, rot=4))
+    assert sel._UPDATES.hits == 0 and len(updates()) == 4
+
+
+def test_bad_key_update_input_is_refused_after_a_replayed_shape():
+    for seed in (1, 2):
+        update(key_case(seed))
+    assert sel._UPDATES.hits == 1
+    c = key_case(3)
+    w, eps, cos, sin = c["norm_rope"]
+    for norm_rope, error, match in (((w.to(torch.int32), eps, cos, sin), TypeError, "norm_rope weight"),
+                                    ((w[:8], eps, cos, sin), ValueError, "norm_rope weight"),
+                                    ((w, -1.0, cos, sin), ValueError, "eps"),
+                                    ((w, float("nan"), cos, sin), ValueError, "eps"),
+                                    ((w, eps, cos, None), ValueError, "both"),
+                                    ((w, eps, cos.double(), sin.double()), TypeError, "norm_rope cos"),
+                                    ((w, eps, cos[:3], sin[:3]), ValueError, "norm_rope cos"),
+                                    ([w, eps, cos, sin], TypeError, "norm_rope must be a tuple")):
+        with pytest.raises(error, match=match):
+            update({**c, "norm_rope": norm_rope})
+    with pytest.raises(ValueError, match="not both"):
+        update(c, transform=lambda kc, b: kc)
+    with pytest.raises(TypeError, match="raw_k"):
+        update({**c, "raw_k": c["raw_k"].to(torch.int32)})
+    assert sel._UPDATES.hits == 1, "a bad input was served by a replay"

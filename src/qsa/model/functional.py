@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ..selection.reference import norm_rope_keys
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim with a zero-centred weight: ``x / rms(x) * (1 + weight)``, in fp32,
@@ -44,16 +46,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 def index_key_transform(norm_weight: torch.Tensor | None, eps: float, rotary_dim: int, theta: float):
-    """The compressed-key transform: RMSNorm (``weight + 1``) then RoPE at position ``4 * block``.
+    """The compressed-key transform: RMSNorm (``weight + 1``, the mean of squares summed in fp64) then
+    RoPE at position ``4 * block`` (:func:`qsa.selection.reference.norm_rope_keys`).
 
     Returns ``f(kc [T, D] fp32, block_idx [T] int64) -> [T, D] fp32`` for
-    :func:`qsa.selection.api.update_compressed_keys`.
+    :func:`qsa.selection.api.update_compressed_keys` (whose Triton path fuses the same math into its store
+    when given it as ``norm_rope`` instead).
     """
     def transform(kc: torch.Tensor, block_idx: torch.Tensor) -> torch.Tensor:
-        y = rms_norm(kc, norm_weight, eps)
-        if rotary_dim:
-            cos, sin = rope_cos_sin(4 * block_idx, rotary_dim, theta)
-            y = apply_rope(y, cos, sin)
-        return y
+        cos, sin = rope_cos_sin(4 * block_idx, rotary_dim, theta) if rotary_dim else (None, None)
+        return norm_rope_keys(kc, norm_weight, eps, cos, sin)
 
     return transform

@@ -26,11 +26,11 @@ import triton
 from .. import backend as backends
 from .. import settings
 from ..attention import replay
-from ..utils import (INT32_MAX, check_bool, check_int, check_tensor, device_facts, dot_in_fp32, interpreter_enabled,
-                     next_pow2, overlaps_itself, round_up, type_name)
+from ..utils import (INT32_MAX, as_finite_float, check_bool, check_int, check_tensor, device_facts, dot_in_fp32,
+                     interpreter_enabled, next_pow2, overlaps_itself, round_up, type_name)
 from .kernels import (assemble_groups_kernel, block_scores_kernel, clear_invalid_pages_kernel, finish_groups_kernel,
                       store_compressed_kernel)
-from .reference import GROUP
+from .reference import GROUP, norm_rope_keys
 from .topk import topk_kernel
 
 MAX_K = 2048
@@ -38,6 +38,7 @@ MAX_K = 2048
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int32, torch.int64)
+_WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 __all__ = [
     "MAX_K",
@@ -500,7 +501,7 @@ def _select_tokens_torch(index_q, kc_cache, block_table, token_to_req, positions
 
 
 def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table, partial, *, block_size: int,
-                           next_pos=None, refusals=None, transform=None, backend: str | None = None,
+                           next_pos=None, refusals=None, transform=None, norm_rope=None, backend: str | None = None,
                            rows_ordered: bool = False) -> None:
     """Write the compressed key of every 4-token group that completes in this step.
 
@@ -553,6 +554,13 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
             means before the cast (RMSNorm, RoPE at position ``4 * block_idx``). It sees one row per
             token, in (request, position) order; only rows of tokens closing a group (``p % 4 == 3``) are
             stored, so it must be row-wise and tolerate arbitrary values in the other rows.
+        norm_rope: optional ``(weight, eps, cos, sin)``, the layer's transform given by its parts instead
+            of ``transform`` (not both): :func:`qsa.selection.reference.norm_rope_keys` of the means, with
+            ``weight`` ``[D]`` (any float dtype) or None, ``eps`` a finite float >= 0, and ``cos, sin``
+            ``[T, half]`` fp32 (``2 * half <= D``, last dim contiguous) of each batch row's group start
+            ``4 * (positions[i] // 4)``, or both None for no rotation. The Triton path computes it inside
+            its store, for the closing rows only, with no PyTorch op; the same bits as the PyTorch path
+            (see ``norm_rope_keys``).
         backend: "triton" (the kernels), or "torch" (the same stores in PyTorch, with a host
             synchronisation); default: Triton wherever it can run.
         rows_ordered: the caller's promise that the rows already come in the order the sorts would give
@@ -565,7 +573,82 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
     ``kc[b] = (((k[4b] + k[4b+1]) + k[4b+2]) + k[4b+3]) * 0.25`` in fp32, the same for any chunking and
     any order of the rows. The Triton path runs on the device with no host synchronisation (on the CPU
     interpreter it checks for refusals on the host).
+
+    With ``settings.REPLAY_STEPS`` on a GPU, a Triton call with ``rows_ordered`` and no ``transform`` records
+    its launches the first time its fingerprint is seen (every tensor's shape, strides, dtype and device,
+    ``eps``, ``block_size``, the stream, the settings) and later calls replay them with their own pointers
+    (:mod:`qsa.attention.replay`): the checks and the binding are not repeated. Calls that sort, or that
+    run a ``transform`` callable, take the full path every time.
     """
+    if rows_ordered is True and transform is None and type(raw_k) is torch.Tensor and type(block_size) is int \
+            and (norm_rope is None or (type(norm_rope) is tuple and len(norm_rope) == 4
+                                       and type(norm_rope[1]) in replay.PLAIN)) \
+            and (ctx := replay.context(raw_k.device)) is not None \
+            and (next_pos is None or not _refuses_at_once("triton", raw_k.device)):
+        stream, env = ctx
+        weight, eps, cos, sin = (None, None, None, None) if norm_rope is None else norm_rope
+        try:
+            key = (block_size, backends.resolve_backend(backend, raw_k.device), stream, norm_rope is None, eps,
+                   replay.tensor_key(raw_k), replay.tensor_key(token_to_req), replay.tensor_key(positions),
+                   replay.tensor_key(kc_cache), replay.tensor_key(block_table), replay.tensor_key(partial),
+                   replay.tensor_key(next_pos), replay.tensor_key(refusals), replay.tensor_key(weight),
+                   replay.tensor_key(cos), replay.tensor_key(sin))
+        except (AttributeError, TypeError, ValueError):  # not tensors, or a backend that cannot run
+            key = None
+        if key is not None and key[1] == "triton":  # the PyTorch path is never recorded
+            inputs = dict(raw_k=raw_k, token_to_req=token_to_req, positions=positions, kc_cache=kc_cache,
+                          block_table=block_table, partial=partial, next_pos=next_pos, refusals=refusals,
+                          weight=weight, cos=cos, sin=sin)
+            entry = _UPDATES.get(key, env)
+            if entry is _UPDATES:
+                with replay.Recorder() as rec:
+                    _update_compressed_keys_full(raw_k, token_to_req, positions, kc_cache, block_table, partial,
+                                                 block_size, next_pos, refusals, None, norm_rope, backend, True)
+                if not replay.shares_pointers(inputs):  # else served unrecorded, the fingerprint left open
+                    _UPDATES.put(key, replay.replay_of(rec, inputs, [], raw_k.device, stream))
+                return
+            if entry is not None and entry(inputs, stream):
+                return
+    _update_compressed_keys_full(raw_k, token_to_req, positions, kc_cache, block_table, partial, block_size,
+                                 next_pos, refusals, transform, norm_rope, backend, rows_ordered)
+
+
+_UPDATES = replay.ReplayCache()
+"""update_compressed_keys' recorded steps, by call fingerprint (each owns its group and mean scratch)."""
+
+
+def _check_norm_rope(norm_rope, T: int, D: int, device) -> tuple:
+    """``norm_rope`` checked: ``(weight, eps, cos, sin, half)``."""
+    if not isinstance(norm_rope, tuple) or len(norm_rope) != 4:
+        raise TypeError(f"norm_rope must be a tuple (weight, eps, cos, sin), got {type_name(norm_rope)}")
+    weight, eps, cos, sin = norm_rope
+    if weight is not None:
+        check_tensor("norm_rope weight", weight, shape=(D,), dtypes=_WEIGHT_DTYPES, device=device,
+                     what=f"[D] = [{D}]")
+    eps = as_finite_float("norm_rope eps", eps)
+    if eps < 0:
+        raise ValueError(f"norm_rope eps must be >= 0, got {eps}")
+    if (cos is None) != (sin is None):
+        raise ValueError("norm_rope cos and sin must both be tensors or both be None")
+    half = 0
+    if cos is not None:
+        check_tensor("norm_rope cos", cos, ndim=2, dtypes=(torch.float32,), device=device, what="[T, half] fp32")
+        check_tensor("norm_rope sin", sin, shape=tuple(cos.shape), dtypes=(torch.float32,), device=device,
+                     what="[T, half] fp32, the shape of cos")
+        half = cos.shape[1]
+        if cos.shape[0] != T or 2 * half > D:
+            raise ValueError(f"norm_rope cos must be [T, half] with T = {T} and 2 * half <= D = {D}, got "
+                             f"{tuple(cos.shape)}")
+        for name, t in (("cos", cos), ("sin", sin)):
+            if half > 1 and t.stride(1) != 1:
+                raise ValueError(f"norm_rope {name} must have its last dim contiguous (stride 1), got strides "
+                                 f"{tuple(t.stride())}")
+    return weight, eps, cos, sin, half
+
+
+def _update_compressed_keys_full(raw_k, token_to_req, positions, kc_cache, block_table, partial, block_size,
+                                 next_pos, refusals, transform, norm_rope, backend, rows_ordered) -> None:
+    """update_compressed_keys' full path: every check, then the PyTorch path or the launches."""
     check_tensor("raw_k", raw_k, ndim=2, dtypes=_FLOAT_DTYPES, what="[T, D]")
     T, D = raw_k.shape
     _check_rows(token_to_req, positions, T)
@@ -585,6 +668,10 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
             if not t.is_contiguous():
                 raise ValueError(f"{name} must be contiguous")
     _check_transform(transform)
+    if norm_rope is not None:
+        if transform is not None:
+            raise ValueError("give transform or norm_rope, not both")
+        weight, eps, cos, sin, half = _check_norm_rope(norm_rope, T, D, raw_k.device)
     rows_ordered = check_bool("rows_ordered", rows_ordered)
     if kc_cache.stride(2) != 1:
         raise ValueError("kc_cache must have a contiguous last dimension")
@@ -603,7 +690,7 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
     # batch order (the last one wins). Out-of-range requests and negative positions sort anywhere; they
     # are recognised by the assembly and store nothing.
     if rows_ordered:
-        perm = torch.arange(T, dtype=torch.int64, device=raw_k.device)
+        perm = None if backend == "triton" else torch.arange(T, dtype=torch.int64, device=raw_k.device)
     else:
         by_pos = torch.sort(positions, stable=True).indices
         perm = by_pos[torch.sort(token_to_req[by_pos], stable=True).indices]
@@ -612,12 +699,16 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
     else:
         raw = raw_k if raw_k.stride(1) == 1 else raw_k.contiguous()
         t2r, pos = token_to_req.contiguous(), positions.contiguous()
-        grp = torch.empty(T, GROUP, D, dtype=torch.float32, device=raw_k.device)
-        mean = torch.empty(T, D, dtype=torch.float32, device=raw_k.device)
-        rows = torch.empty(4, T, dtype=torch.int64, device=raw_k.device)  # block, request, position, flags
-        assemble_groups_kernel[(T,)](
-            raw, perm, t2r, pos, partial, partial if next_pos is None else next_pos, grp, mean, rows[0],
-            rows[1], rows[2], rows[3], T, num_reqs, raw.stride(0), D=D, TRACK=next_pos is not None,
+        grp = replay.owned(torch.empty(T, GROUP, D, dtype=torch.float32, device=raw_k.device))
+        mean = replay.owned(torch.empty(T, D, dtype=torch.float32, device=raw_k.device))
+        # block, request, position, flags of each sorted row
+        rows = [replay.owned(r) for r in torch.empty(4, T, dtype=torch.int64, device=raw_k.device)]
+        ordered = perm is None
+        replay.launch(
+            assemble_groups_kernel, (T,),
+            raw, t2r if ordered else perm, t2r, pos, partial, partial if next_pos is None else next_pos, grp,
+            mean, rows[0], rows[1], rows[2], rows[3], T, num_reqs, raw.stride(0), D=D,
+            TRACK=next_pos is not None, ORDERED=ordered,
         )
     if next_pos is not None and _refuses_at_once(backend, raw_k.device):
         _raise_first_refusal(rows[3], perm, token_to_req, positions, next_pos)
@@ -626,23 +717,36 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
         kc_new = transform(mean, rows[0])
         if not isinstance(kc_new, torch.Tensor) or kc_new.shape != (T, D):
             raise ValueError(f"transform must return a [T, D] = [{T}, {D}] tensor")
-        kc_new = kc_new.float()
-    kc_new = kc_new.to(kc_cache.dtype).contiguous()      # round here: one rounding rule everywhere
+        kc_new = kc_new.float().contiguous()              # rounded once, to the cache dtype, at the store
+    elif norm_rope is not None and backend == "torch":
+        kc_new = norm_rope_keys(mean, weight, eps, None if cos is None else cos[perm],
+                                None if sin is None else sin[perm])
     if backend == "torch":
         _store_compressed_torch(kc_new, grp, rows, perm, token_to_req, positions, kc_cache, block_table,
                                 partial, next_pos)
         return
     bt = block_table.contiguous()
-    store_compressed_kernel[(T,)](
-        kc_new, grp, rows[1], rows[2], bt, kc_cache, partial,
+    fused = norm_rope is not None
+    if fused and weight is None:
+        weight = replay.owned(torch.zeros(D, dtype=torch.float32, device=raw_k.device))  # 1 + 0, never written
+    replay.launch(
+        store_compressed_kernel, (T,),
+        kc_new, grp, rows[1], rows[2], bt, kc_cache, partial, t2r if ordered else perm,
+        weight if fused else mean, cos if fused and half else mean, sin if fused and half else mean,
         T, num_reqs, kc_cache.shape[0], bt.shape[1], kc_cache.shape[1],
-        kc_cache.stride(0), kc_cache.stride(1), bt.stride(0), D=D,
+        kc_cache.stride(0), kc_cache.stride(1), bt.stride(0),
+        weight.stride(0) if fused else 0, cos.stride(0) if fused and half else 0,
+        sin.stride(0) if fused and half else 0, eps if fused else 0.0,
+        D=D, NORM_ROPE=fused, HALF=half if fused else 0, ORDERED=ordered, enable_fp_fusion=False,
     )
     if next_pos is not None:
-        finish_groups_kernel[(1,)](
-            perm, t2r, pos, rows[3], next_pos, next_pos if refusals is None else refusals, T,
-            RECORD=refusals is not None, BLOCK=min(max(next_pow2(T), 16), 1024),
+        replay.launch(
+            finish_groups_kernel, (1,),
+            t2r if ordered else perm, t2r, pos, rows[3], next_pos, next_pos if refusals is None else refusals, T,
+            RECORD=refusals is not None, BLOCK=min(max(next_pow2(T), 16), 1024), ORDERED=ordered,
         )
+
+
 
 
 def _refuses_at_once(backend: str, device: torch.device) -> bool:
@@ -662,10 +766,12 @@ def refusal_message(req: int, pos: int, count: int, expected: int | None = None)
 
 
 def _raise_first_refusal(flags, perm, token_to_req, positions, next_pos) -> None:
-    """Raise the ValueError of the first refused row in (request, position) order, if any (host sync)."""
+    """Raise the ValueError of the first refused row in (request, position) order, if any (host sync).
+    ``perm``: sorted row -> batch row, or None where the rows come sorted."""
     refused = ((flags & 1) != 0).nonzero()
     if refused.numel():
-        row = int(perm[int(refused[0, 0])])
+        first = int(refused[0, 0])
+        row = first if perm is None else int(perm[first])
         req, pos = int(token_to_req[row]), int(positions[row])
         raise ValueError(refusal_message(req, pos, refused.shape[0], int(next_pos[req])))
 
@@ -742,7 +848,7 @@ def _store_compressed_torch(kc_new, grp, rows, perm, token_to_req, positions, kc
     else:
         page = block_table.to(torch.int64)[req, i_page.clamp(0, max_blocks - 1)]
     close = ok & (j == GROUP - 1) & (i_page < max_blocks) & (page >= 0) & (page < num_blocks)
-    kc_cache[page[close], (b % rows_per_page)[close]] = kc_new[close]
+    kc_cache[page[close], (b % rows_per_page)[close]] = kc_new[close].to(kc_cache.dtype)  # one rounding
     keep_open = ok & (j != GROUP - 1)
     for m in range(GROUP - 1):
         sel = keep_open & (j >= m)

@@ -5,6 +5,7 @@ Launchers live in ``qsa/selection/api.py``."""
 import triton
 import triton.language as tl
 
+from ..attention.kernels import norm_rope_head, round_to
 from .topk import INT32_MAX, score_key
 
 BIG_REQ = tl.constexpr(2**31 - 1)
@@ -135,20 +136,38 @@ def clear_invalid_pages_kernel(
 
 
 @triton.jit
+def batch_row(perm_ptr, i, ORDERED: tl.constexpr):
+    """The batch row of sorted row ``i``: ``perm[i]``, or ``i`` itself where the rows come sorted."""
+    if ORDERED:
+        return i.to(tl.int64)
+    else:
+        return tl.load(perm_ptr + i)
+
+
+@triton.jit
 def store_compressed_kernel(
-    kc_new_ptr,   # [T, D] compressed key (kc_ptr's dtype) of the group each token would close
+    kc_new_ptr,   # [T, D] fp32 compressed key of the group each sorted row would close (mean or transformed)
     grp_ptr,      # [T, 4, D] fp32 raw keys of each token's group, positions 4*(p//4) .. p
     req_ptr,      # [T] int32/int64 request of each token
     pos_ptr,      # [T] int32/int64 position of each token
     bt_ptr,       # [num_reqs, max_blocks] int32 block table
     kc_ptr,       # [num_blocks, block_size // 4, D] compressed-key cache (written)
     part_ptr,     # [num_reqs, 3, D] fp32 raw keys of each request's open group (written)
+    perm_ptr,     # [T] int64 sorted row -> batch row (read with NORM_ROPE unless ORDERED)
+    w_ptr,        # [D] norm weight (NORM_ROPE)
+    cos_ptr,      # [T, HALF] fp32 cos of each batch row's group start 4*(p//4) (NORM_ROPE, HALF > 0)
+    sin_ptr,      # [T, HALF] fp32 sin, as cos
     T, num_reqs, num_blocks, max_blocks, rows_per_page,
-    stride_kb, stride_kr, stride_bt,
+    stride_kb, stride_kr, stride_bt, stride_w, stride_cos, stride_sin,
+    eps,
     D: tl.constexpr,
+    NORM_ROPE: tl.constexpr,  # kc_new holds the means: RMSNorm (1 + w) and RoPE them here, in fp32
+    HALF: tl.constexpr,       # rotated pairs of the RoPE (0: none)
+    ORDERED: tl.constexpr,    # the batch rows come sorted: sorted row t is batch row t
 ):
-    """Token t closing a group (p % 4 == 3) stores its compressed key; the last token of a request in
-    the step whose group stays open stores the group's raw keys so far into the partial buffer."""
+    """Token t closing a group (p % 4 == 3) stores its compressed key, rounded once to the cache dtype (with
+    NORM_ROPE after the fused transform of the mean); the last token of a request in the step whose
+    group stays open stores the group's raw keys so far into the partial buffer."""
     t = tl.program_id(0)
     o_d = tl.arange(0, D)
     req = tl.load(req_ptr + t).to(tl.int64)
@@ -161,9 +180,15 @@ def store_compressed_kernel(
         if i_page < max_blocks:
             page = tl.load(bt_ptr + req * stride_bt + i_page).to(tl.int64)
             if (page >= 0) & (page < num_blocks):
-                val = tl.load(kc_new_ptr + t.to(tl.int64) * D + o_d)
-                p_kc = kc_ptr + page * stride_kb + (b % rows_per_page) * stride_kr + o_d
-                tl.store(p_kc, val)
+                p_kc = kc_ptr + page * stride_kb + (b % rows_per_page) * stride_kr
+                if NORM_ROPE:
+                    row = batch_row(perm_ptr, t, ORDERED)
+                    norm_rope_head(kc_new_ptr + t.to(tl.int64) * D, w_ptr, cos_ptr + row * stride_cos,
+                                   sin_ptr + row * stride_sin, p_kc, stride_w, eps, D, HALF, D, True, True)
+                else:
+                    KC: tl.constexpr = kc_ptr.dtype.element_ty
+                    val = tl.load(kc_new_ptr + t.to(tl.int64) * D + o_d)
+                    tl.store(p_kc + o_d, round_to(val, KC).to(KC))
     if ok & (j != 3):
         t_next = tl.minimum(t + 1, T - 1)
         req_next = tl.load(req_ptr + t_next).to(tl.int64)
@@ -193,6 +218,7 @@ def assemble_groups_kernel(
     T, num_reqs, stride_raw,
     D: tl.constexpr,
     TRACK: tl.constexpr,   # next_ptr is given: a member neither in the step nor held is missing
+    ORDERED: tl.constexpr,  # the batch rows come sorted (perm_ptr is not read)
 ):
     """Program i: sorted row i. Rows of one request are adjacent and ascend by position; of several rows
     with one (request, position) the last one (in batch order) is the row, the others are ignored.
@@ -206,12 +232,15 @@ def assemble_groups_kernel(
     sees exactly one row per request)."""
     i = tl.program_id(0)
     o_d = tl.arange(0, D)
-    row = tl.load(perm_ptr + i)
+    row = batch_row(perm_ptr, i, ORDERED)
     req = tl.load(req_ptr + row).to(tl.int64)
     pos = tl.load(pos_ptr + row).to(tl.int64)
     ok = (req >= 0) & (req < num_reqs) & (pos >= 0)
     has_next = i + 1 < T
-    row_n = tl.load(perm_ptr + i + 1, mask=has_next, other=0)
+    if ORDERED:
+        row_n = tl.where(has_next, i + 1, 0).to(tl.int64)
+    else:
+        row_n = tl.load(perm_ptr + i + 1, mask=has_next, other=0)
     req_n = tl.load(req_ptr + row_n, mask=has_next, other=-1).to(tl.int64)
     pos_n = tl.load(pos_ptr + row_n, mask=has_next, other=-1).to(tl.int64)
     same_next = has_next & (req_n == req) & (pos_n >= 0)
@@ -227,7 +256,7 @@ def assemble_groups_kernel(
     s = i - 1
     go = active & (j > 0) & (s >= 0)
     while go:
-        row_s = tl.load(perm_ptr + s)
+        row_s = batch_row(perm_ptr, s, ORDERED)
         req_s = tl.load(req_ptr + row_s).to(tl.int64)
         pos_s = tl.load(pos_ptr + row_s).to(tl.int64)
         in_grp = (req_s == req) & (pos_s >= g0)
@@ -296,6 +325,7 @@ def finish_groups_kernel(
     T,
     RECORD: tl.constexpr,   # ref_ptr is given
     BLOCK: tl.constexpr,
+    ORDERED: tl.constexpr,  # the batch rows come sorted (perm_ptr is not read)
 ):
     """One program, after assemble_groups_kernel: the last row of each request sets that request's next
     expected position (p + 1, or -1 when its group stays open with a member missing), and refused rows
@@ -308,7 +338,10 @@ def finish_groups_kernel(
         o_t = start + o
         m_t = o_t < T
         flag = tl.load(flag_ptr + o_t, mask=m_t, other=0)
-        row = tl.load(perm_ptr + o_t, mask=m_t, other=0)
+        if ORDERED:
+            row = o_t.to(tl.int64)
+        else:
+            row = tl.load(perm_ptr + o_t, mask=m_t, other=0)
         req = tl.load(req_ptr + row, mask=m_t, other=0).to(tl.int64)
         pos = tl.load(pos_ptr + row, mask=m_t, other=0).to(tl.int64)
         refused = (flag & 1) != 0
@@ -321,7 +354,7 @@ def finish_groups_kernel(
         if count > 0:
             prev = tl.load(ref_ptr)
             if prev == 0:
-                row = tl.load(perm_ptr + first)
+                row = batch_row(perm_ptr, first, ORDERED)
                 tl.store(ref_ptr + 1, tl.load(req_ptr + row).to(tl.int64))
                 tl.store(ref_ptr + 2, tl.load(pos_ptr + row).to(tl.int64))
             tl.store(ref_ptr, prev + count)

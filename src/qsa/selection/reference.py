@@ -45,6 +45,32 @@ def compressed_keys_reference(raw_k, transform=None):
     return kc
 
 
+def norm_rope_keys(kc, weight, eps: float, cos=None, sin=None):
+    """The compressed keys' transform in PyTorch: RMSNorm ``kc / rms(kc) * (1 + weight)`` then partial NeoX
+    RoPE with ``cos, sin`` (``[G, half]`` fp32 of each row's group start ``4b``; None: no rotation), all in
+    fp32 with no rounding in between. The mean of squares is summed in fp64 from the exact fp64 squares
+    and rounded once to fp32, and the scale is ``1 / sqrt`` in fp64 rounded once to fp32 (IEEE on every
+    device, unlike an fp32 ``rsqrt``), so the fused store kernel (which sums in its own order) gives the
+    same bits unless that sum lies within its rounding error of an fp32 rounding boundary.
+
+    Args:
+        kc: ``[G, D]`` fp32 group means. weight: ``[D]`` any float dtype, or None (``1 + 0``).
+    Returns:
+        ``[G, D]`` fp32.
+    """
+    x = kc.float()
+    mean_sq = (x.double() * x.double()).sum(-1, keepdim=True).div(x.shape[-1]).float()
+    y = x * torch.reciprocal(torch.sqrt((mean_sq + eps).double())).float()
+    if weight is not None:
+        y = y * (1.0 + weight.float())
+    if cos is None or cos.shape[-1] == 0:
+        return y
+    half = cos.shape[-1]
+    c, s = cos.float(), sin.float()
+    y1, y2 = y[:, :half], y[:, half:2 * half]
+    return torch.cat([y1 * c - y2 * s, y2 * c + y1 * s, y[:, 2 * half:]], dim=-1)
+
+
 def gather_compressed_keys(kc_cache, block_table, req: int):
     """All logical compressed keys of request ``req``: ``[n_cols, D]`` fp32 and a ``[n_cols]`` bool
     validity mask (False where the table entry is outside ``[0, num_blocks)``),
