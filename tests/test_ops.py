@@ -18,7 +18,7 @@ import qsa.model.ops
 import qsa.selection.reference
 from qsa.cache.paged import allocate_kv_cache, quantize_e4m3
 from qsa.selection.api import select_tokens
-from qsa.model.functional import index_key_transform
+from qsa.model.functional import index_key_transform, rope_cos_sin
 
 NAN = float("nan")
 
@@ -341,11 +341,12 @@ def test_opcheck_select_and_cache_ops():
     torch.library.opcheck(torch.ops.qsa.update_compressed_keys.default,
                           (raw, torch.zeros(6, dtype=torch.int32), torch.arange(6), kcache,
                            torch.tensor([[1, 4], [2, 3]], dtype=torch.int32), partial, w, 1e-6, 8, 10000.0,
-                           "torch", 8, None, None, False))
+                           "torch", 8, None, None, False, None, None))
     torch.library.opcheck(torch.ops.qsa.update_compressed_keys.default,
                           (raw, torch.zeros(6, dtype=torch.int32), torch.arange(6), kcache,
                            torch.tensor([[1, 4], [2, 3]], dtype=torch.int32), partial, w, 1e-6, 8, 10000.0,
-                           "torch", 8, torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), True))
+                           "torch", 8, torch.zeros(2, dtype=torch.int64), torch.zeros(3, dtype=torch.int64), True,
+                           *rope_cos_sin(torch.div(torch.arange(6), 4, rounding_mode="floor") * 4, 8, 10000.0)))
 
 
 def test_write_kv_op_mutates_only_given_slots():

@@ -214,22 +214,29 @@ class StepMetadata:
             getattr(self, name).copy_(getattr(other, name))
         self.rows_ordered = other.rows_ordered
 
-    def rope(self, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rope_cos_sin(positions, rotary_dim, theta)``, computed once per step for every layer (and for
-        q, k and the index queries where their widths agree). Computed afresh, not kept, under
+    def rope(self, rotary_dim: int, theta: float, *, group_start: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rope_cos_sin(positions, rotary_dim, theta)`` (with ``group_start``: at each row's 4-token group
+        start ``4 * (positions // 4)``, the compressed keys' RoPE), computed once per step for every layer
+        (and for q, k and the index queries where their widths agree). Computed afresh, not kept, under
         ``torch.compile``, during CUDA-graph capture (the graph must compute it itself) and for
         inference-mode positions (which have no version counter)."""
         pos = self.positions
         if torch.compiler.is_compiling() or pos.is_inference() or (
                 pos.is_cuda and torch.cuda.is_current_stream_capturing()):
-            return rope_cos_sin(pos, rotary_dim, theta)
+            return _rope_tables(pos, rotary_dim, theta, group_start)
         mark = (pos.data_ptr(), pos._version)
-        kept = self._ropes.get((rotary_dim, theta))
+        kept = self._ropes.get((rotary_dim, theta, group_start))
         if kept is not None and kept[0] == mark:
             return kept[1]
-        tables = rope_cos_sin(pos, rotary_dim, theta)
-        self._ropes[(rotary_dim, theta)] = (mark, tables)
+        tables = _rope_tables(pos, rotary_dim, theta, group_start)
+        self._ropes[(rotary_dim, theta, group_start)] = (mark, tables)
         return tables
+
+
+def _rope_tables(pos, rotary_dim: int, theta: float, group_start: bool):
+    if group_start:
+        pos = torch.div(pos, 4, rounding_mode="floor") * 4
+    return rope_cos_sin(pos, rotary_dim, theta)
 
 
 def rows_ordered_of(token_to_req, positions) -> bool:
@@ -472,9 +479,11 @@ class QSAAttention(nn.Module):
             # a captured step sorts: its graph may be replayed with rows in another order
             ordered = meta.rows_ordered and not (k.is_cuda and torch.cuda.is_current_stream_capturing())
         write(cache.kv, k, v, meta.slot_mapping, c.kv_cache_dtype, c.k_scale, c.v_scale, meta.backend)
+        key_cos, key_sin = meta.rope(c.index_rotary_dim, c.rope_theta, group_start=True) if c.index_rotary_dim \
+            else (None, None)
         update(ik, meta.token_to_req, meta.positions, cache.kc, meta.block_table, cache.partial, self.index_k_norm,
                c.rms_norm_eps, c.index_rotary_dim, c.rope_theta, meta.backend, cache.block_size, None, None,
-               ordered)
+               ordered, key_cos, key_sin)
         return select(iq, cache.kc, meta.block_table, meta.token_to_req, meta.positions, meta.seq_lens,
                       c.index_topk, meta.backend, cache.block_size)
 

@@ -106,16 +106,22 @@ def update_compressed_keys_impl(raw_k: torch.Tensor, token_to_req: torch.Tensor,
                                 kc_cache: torch.Tensor, block_table: torch.Tensor, partial: torch.Tensor,
                                 norm_weight: torch.Tensor | None, eps: float, rotary_dim: int,
                                 rope_theta: float, backend: str, block_size: int, next_pos: torch.Tensor | None,
-                                refusals: torch.Tensor | None, rows_ordered: bool) -> None:
+                                refusals: torch.Tensor | None, rows_ordered: bool, key_cos: torch.Tensor | None,
+                                key_sin: torch.Tensor | None) -> None:
     """``qsa::update_compressed_keys``'s implementation, callable without the dispatcher (the layer's eager
-    step)."""
-    # next_pos, refusals and rows_ordered have no schema default: torch 2.11 drops trailing defaulted
-    # arguments before it bumps the version of the mutated ones (an IndexError).
+    step). ``key_cos, key_sin``: the RoPE tables of each row's group start ``4 * (positions // 4)``
+    (:meth:`qsa.model.layer.StepMetadata.rope` with ``group_start``), or None to compute them here."""
+    # next_pos, refusals, rows_ordered and the tables have no schema default: torch 2.11 drops trailing
+    # defaulted arguments before it bumps the version of the mutated ones (an IndexError).
     from ..selection.api import update_compressed_keys as uck
-    from .functional import index_key_transform
+    from .functional import rope_cos_sin
 
+    if rotary_dim and key_cos is None:
+        key_cos, key_sin = rope_cos_sin(torch.div(positions, 4, rounding_mode="floor") * 4, rotary_dim, rope_theta)
+    elif not rotary_dim:
+        key_cos = key_sin = None
     uck(raw_k, token_to_req, positions, kc_cache, block_table, partial, block_size=block_size,
-        next_pos=next_pos, refusals=refusals, transform=index_key_transform(norm_weight, eps, rotary_dim, rope_theta),
+        next_pos=next_pos, refusals=refusals, norm_rope=(norm_weight, eps, key_cos, key_sin),
         backend=backends.resolve_backend(backend, raw_k.device), rows_ordered=rows_ordered)
 
 
@@ -125,7 +131,7 @@ _update_compressed_keys_op = torch.library.custom_op(
 
 @_update_compressed_keys_op.register_fake
 def _(raw_k, token_to_req, positions, kc_cache, block_table, partial, norm_weight, eps, rotary_dim,
-      rope_theta, backend, block_size, next_pos, refusals, rows_ordered):
+      rope_theta, backend, block_size, next_pos, refusals, rows_ordered, key_cos, key_sin):
     return None
 
 
@@ -189,4 +195,4 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
                                          norm_weight, as_finite_float("eps", eps), check_int("rotary_dim", rotary_dim),
                                          as_finite_float("rope_theta", rope_theta), backend,
                                          check_int("block_size", block_size), next_pos, refusals,
-                                         check_bool("rows_ordered", rows_ordered))
+                                         check_bool("rows_ordered", rows_ordered), None, None)
