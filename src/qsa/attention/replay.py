@@ -237,6 +237,14 @@ class Replay:
         self.names.discard(name)
         self._gather()
 
+    def drop_launch(self, index: int) -> None:
+        """Leave out step ``index`` (a launch) from now on: a replay that skips one, for the known-wrong
+        variants of the tests that must catch one."""
+        if self.steps[index][0] != "launch":
+            raise ValueError(f"step {index} is not a launch")
+        del self.steps[index]
+        self._gather()
+
     def __call__(self, inputs: dict, stream: int) -> bool:
         """Launch the step on ``inputs`` (name -> tensor); False, launching nothing, where an input's
         alignment differs from what the compiled kernels assume."""
