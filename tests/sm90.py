@@ -530,9 +530,13 @@ def check_selection_and_cache_kernels() -> dict:
             dict(FROM_SCORES=False, EMIT_TOKENS=True, SINGLE_TILE=t["SINGLE_TILE"], BLOCK_N=t["BLOCK_N"],
                  RADIX_BITS=t["RADIX_BITS"], EMIT_BLOCK=t["EMIT_BLOCK"], OUT_BLOCK=t["OUT_BLOCK"]),
             num_warps=t["num_warps"])
-    _, usage["store compressed"] = compile_sm90(
-        store_compressed_kernel, {"kc_new_ptr": "*bf16", "grp_ptr": "*fp32", "req_ptr": "*i64", "pos_ptr": "*i64",
-                                  "bt_ptr": "*i32", "kc_ptr": "*bf16", "part_ptr": "*fp32"}, dict(D=128))
+    store_ptrs = {"kc_new_ptr": "*fp32", "grp_ptr": "*fp32", "req_ptr": "*i64", "pos_ptr": "*i64", "bt_ptr": "*i32",
+                  "kc_ptr": "*bf16", "part_ptr": "*fp32", "perm_ptr": "*i64", "w_ptr": "*bf16", "cos_ptr": "*fp32",
+                  "sin_ptr": "*fp32"}
+    _, usage["store compressed"] = compile_sm90(  # sorted rows, a transform callable's keys
+        store_compressed_kernel, store_ptrs, dict(D=128, NORM_ROPE=False, HALF=0, ORDERED=False), floats=("eps",))
+    _, usage["store compressed fused"] = compile_sm90(  # the layer's: ordered rows, RMSNorm and RoPE of 64 dims
+        store_compressed_kernel, store_ptrs, dict(D=128, NORM_ROPE=True, HALF=32, ORDERED=True), floats=("eps",))
     for cache in ("fp16", "u8"):
         _, usage[f"cache write {cache}"] = compile_sm90(
             cache_write_kernel, {"k_ptr": "*fp16", "v_ptr": "*fp16", "slot_ptr": "*i64", "k_cache_ptr": f"*{cache}",

@@ -25,7 +25,7 @@ EXPECT = {  # lines each section prints, besides "section NAME: compiled"
     "invariant-u8": ["invariant u8 W=2051:", "invariant u8 W=4096:"],
     "merge-planner": ["merge and planner kernels: compiled"],
     "arguments-of-one": ["arguments of 1: compiled"],
-    "selection-cache": ["scores keys=True:", "top-k ", "store compressed:", "cache write u8:"],
+    "selection-cache": ["scores keys=True:", "top-k ", "store compressed:", "store compressed fused:", "cache write u8:"],
     "gluon": ["gluon prototype (plain, lazy):", "gluon warp-specialized prototype (V in 3, 2 buffers):"],
 }
 
