@@ -27,9 +27,10 @@ def no_recorded_steps():
     launcher's settings function must not be served a step another test recorded."""
     from qsa.attention import api
     from qsa.cache import paged
+    from qsa.model import kernels
     from qsa.selection import api as selection
 
-    caches = (api._STEPS, selection._SELECTIONS, paged._WRITES)
+    caches = (api._STEPS, selection._SELECTIONS, paged._WRITES, selection._UPDATES, kernels._NORM_ROPES)
     for cache in caches:
         cache.clear()
     yield
