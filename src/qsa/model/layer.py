@@ -473,11 +473,12 @@ class QSAAttention(nn.Module):
         if torch.compiler.is_compiling():
             write, update, select = (torch.ops.qsa.write_kv, torch.ops.qsa.update_compressed_keys,
                                      torch.ops.qsa.select_tokens)
-            ordered = False
         else:
             write, update, select = ops.write_kv_impl, ops.update_compressed_keys_impl, ops.select_tokens_impl
-            # a captured step sorts: its graph may be replayed with rows in another order
-            ordered = meta.rows_ordered and not (k.is_cuda and torch.cuda.is_current_stream_capturing())
+        # Under torch.compile a constant of the traced graph, which Dynamo guards (a step ordered the other way
+        # runs a graph of its own); the update sorts anyway during CUDA-graph capture, whose graph may be
+        # replayed with rows in another order.
+        ordered = meta.rows_ordered
         write(cache.kv, k, v, meta.slot_mapping, c.kv_cache_dtype, c.k_scale, c.v_scale, meta.backend)
         key_cos, key_sin = meta.rope(c.index_rotary_dim, c.rope_theta, group_start=True) if c.index_rotary_dim \
             else (None, None)

@@ -110,12 +110,17 @@ def update_compressed_keys_impl(raw_k: torch.Tensor, token_to_req: torch.Tensor,
                                 key_sin: torch.Tensor | None) -> None:
     """``qsa::update_compressed_keys``'s implementation, callable without the dispatcher (the layer's eager
     step). ``key_cos, key_sin``: the RoPE tables of each row's group start ``4 * (positions // 4)``
-    (:meth:`qsa.model.layer.StepMetadata.rope` with ``group_start``), or None to compute them here."""
+    (:meth:`qsa.model.layer.StepMetadata.rope` with ``group_start``), or None to compute them here.
+    ``rows_ordered`` is dropped during CUDA-graph capture (the rows are sorted then): a compiled step that an
+    engine captures carries the flag of the step it was traced on, and the graph may be replayed with rows
+    in another order."""
     # next_pos, refusals, rows_ordered and the tables have no schema default: torch 2.11 drops trailing
     # defaulted arguments before it bumps the version of the mutated ones (an IndexError).
     from ..selection.api import update_compressed_keys as uck
     from .functional import rope_cos_sin
 
+    if rows_ordered and raw_k.is_cuda and torch.cuda.is_current_stream_capturing():
+        rows_ordered = False
     if rotary_dim and key_cos is None:
         key_cos, key_sin = rope_cos_sin(torch.div(positions, 4, rounding_mode="floor") * 4, rotary_dim, rope_theta)
     elif not rotary_dim:
