@@ -32,6 +32,12 @@ def rope_cos_sin(positions: torch.Tensor, rotary_dim: int, theta: float):
     return torch.cos(angles), torch.sin(angles)
 
 
+def group_start_rope(positions: torch.Tensor, rotary_dim: int, theta: float):
+    """:func:`rope_cos_sin` at each row's 4-token group start ``4 * (positions // 4)``: the RoPE of the
+    compressed key the row feeds."""
+    return rope_cos_sin(torch.div(positions, 4, rounding_mode="floor") * 4, rotary_dim, theta)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Partial NeoX RoPE of ``x`` ``[T, ..., D]``: its first ``2 * cos.shape[-1]`` dims are rotated as
     two halves, the rest pass through. Math in fp32, result in ``x``'s dtype."""

@@ -32,7 +32,7 @@ from ..attention import routing
 from ..attention.api import check_forward_only
 from ..selection.api import MAX_K, check_index_dim
 from . import ops
-from .functional import apply_rope, rms_norm, rope_cos_sin
+from .functional import apply_rope, group_start_rope, rms_norm, rope_cos_sin
 from .kernels import norm_rope
 from .tp import HeadShard, TPInfo, all_reduce, shard_heads
 from ..utils import check_int, check_positive_float
@@ -234,9 +234,7 @@ class StepMetadata:
 
 
 def _rope_tables(pos, rotary_dim: int, theta: float, group_start: bool):
-    if group_start:
-        pos = torch.div(pos, 4, rounding_mode="floor") * 4
-    return rope_cos_sin(pos, rotary_dim, theta)
+    return group_start_rope(pos, rotary_dim, theta) if group_start else rope_cos_sin(pos, rotary_dim, theta)
 
 
 def rows_ordered_of(token_to_req, positions) -> bool:

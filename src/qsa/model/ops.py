@@ -117,12 +117,12 @@ def update_compressed_keys_impl(raw_k: torch.Tensor, token_to_req: torch.Tensor,
     # next_pos, refusals, rows_ordered and the tables have no schema default: torch 2.11 drops trailing
     # defaulted arguments before it bumps the version of the mutated ones (an IndexError).
     from ..selection.api import update_compressed_keys as uck
-    from .functional import rope_cos_sin
+    from .functional import group_start_rope
 
     if rows_ordered and raw_k.is_cuda and torch.cuda.is_current_stream_capturing():
         rows_ordered = False
     if rotary_dim and key_cos is None:
-        key_cos, key_sin = rope_cos_sin(torch.div(positions, 4, rounding_mode="floor") * 4, rotary_dim, rope_theta)
+        key_cos, key_sin = group_start_rope(positions, rotary_dim, rope_theta)
     elif not rotary_dim:
         key_cos = key_sin = None
     uck(raw_k, token_to_req, positions, kc_cache, block_table, partial, block_size=block_size,
