@@ -13,9 +13,27 @@ import torch
 INT32_MAX = 2**31 - 1
 
 
+def environment_reader(*names: str):
+    """A function returning the values of the environment variables ``names`` now, as a tuple. On POSIX it
+    reads ``os.environ``'s own mapping of encoded names (which every change through ``os.environ``, tests'
+    patches included, updates in place), so a read costs a dict lookup per name instead of an encoding
+    and a decoding (values come back as bytes there, as str elsewhere: compare against both)."""
+    data = getattr(os.environ, "_data", None)
+    if os.name == "posix" and isinstance(data, dict):
+        keys = tuple(os.environ.encodekey(name) for name in names)
+        return lambda: tuple(map(data.get, keys))
+    return lambda: tuple(map(os.environ.get, names))
+
+
+OFF_VALUES = (None, "", "0", b"", b"0")
+"""Values of a flag variable that leave it off, read as str or as encoded bytes (:func:`environment_reader`)."""
+
+_interpret = environment_reader("TRITON_INTERPRET")
+
+
 def interpreter_enabled() -> bool:
     """True when Triton kernels run under the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+    return _interpret()[0] not in OFF_VALUES
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:

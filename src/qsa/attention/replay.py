@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import functools
 import operator
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import fields, is_dataclass
@@ -302,22 +301,8 @@ def tensor_key(t):
     return (t.shape, t.stride(), t.dtype, t.get_device())
 
 
-def _variables_reader():
-    """A function returning the values of ``TRITON_INTERPRET`` and ``QSA_PDL`` now. On POSIX it reads
-    ``os.environ``'s own mapping of encoded names (which every change through ``os.environ``, tests'
-    patches included, updates in place), so a call costs two dict lookups instead of two encodings and
-    decodings; elsewhere ``os.environ.get``."""
-    data = getattr(os.environ, "_data", None)
-    if os.name == "posix" and isinstance(data, dict):
-        interpret, pdl = os.environ.encodekey("TRITON_INTERPRET"), os.environ.encodekey("QSA_PDL")
-        return lambda: (data.get(interpret), data.get(pdl))
-    return lambda: (os.environ.get("TRITON_INTERPRET"), os.environ.get("QSA_PDL"))
-
-
-_variables = _variables_reader()
-
-_OFF = (None, "", "0", b"", b"0")
-"""Values of ``TRITON_INTERPRET`` that leave the interpreter off (read as str or as encoded bytes)."""
+_variables = utils.environment_reader("TRITON_INTERPRET", "QSA_PDL")
+"""The values of ``TRITON_INTERPRET`` and ``QSA_PDL`` now (what the launchers read)."""
 
 
 def environment(variables: tuple | None = None) -> tuple:
@@ -338,7 +323,7 @@ def context(device: torch.device) -> tuple[int, tuple] | None:
         return None
     variables = _variables()
     kind = device.type
-    if variables[0] not in _OFF:  # the interpreter
+    if variables[0] not in utils.OFF_VALUES:  # the interpreter
         if not ON_INTERPRETER or kind not in ("cuda", "cpu"):
             return None
         return 0, environment(variables)
