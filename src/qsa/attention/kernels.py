@@ -63,21 +63,21 @@ def norm_rope_head(
     HEAD_DIM: tl.constexpr,
     HALF: tl.constexpr,  # rotated pairs: dims [0, HALF) with [HALF, 2 * HALF); 0: no rotation
     BLOCK_D: tl.constexpr,  # next power of two >= HEAD_DIM
-    KEEP_FP32: tl.constexpr,  # the norm and the rotation stay fp32 (one rounding, at the store)
-    EXACT: tl.constexpr,  # the mean of squares summed in fp64, the scale 1 / sqrt in fp64
+    EXACT: tl.constexpr,  # fp32 throughout (one rounding, at the store), the mean of squares and the scale in fp64
 ):
     """RMSNorm (``1 + w``) of one head, rounded to the output's dtype, then its partial NeoX RoPE, rounded
-    again (as the PyTorch functions of :mod:`qsa.model.functional` on a tensor of that dtype); with
-    ``KEEP_FP32`` both in fp32 and rounded once, at the store (as those functions on fp32 then one cast).
+    again (as the PyTorch functions of :mod:`qsa.model.functional` on a tensor of that dtype), with the mean
+    of squares an fp32 sum in Triton's order and the scale the hardware's approximate rsqrt.
 
-    The mean of squares is an fp32 sum in Triton's order and the scale the hardware's approximate rsqrt;
-    or (``EXACT``) the fp64 sum of the exact fp64 squares rounded once to fp32, which depends on the order
-    only where that sum lies within its rounding error of an fp32 rounding boundary, and the scale
-    ``1 / sqrt`` in fp64 (IEEE on every device and in the interpreter) rounded once to fp32. Each element's rotation needs its partner's normalised value
+    With ``EXACT`` (the compressed keys' transform, :func:`qsa.selection.reference.norm_rope_keys`) the norm
+    and the rotation stay fp32 and are rounded once, at the store; the mean of squares is the fp64 sum of
+    the exact fp64 squares rounded once to fp32, which depends on the order only where that sum lies within
+    its rounding error of an fp32 rounding boundary, and the scale is ``1 / sqrt`` in fp64 (IEEE on every
+    device and in the interpreter) rounded once to fp32. Each element's rotation needs its partner's normalised value
     (``d + HALF`` for the first half, ``d - HALF`` for the second): the partner is loaded again and
     normalised with the same scale, which gives the very value the first pass computed for it."""
     OUT: tl.constexpr = out_ptr.dtype.element_ty
-    MID: tl.constexpr = tl.float32 if KEEP_FP32 else OUT
+    MID: tl.constexpr = tl.float32 if EXACT else OUT
     o_d = tl.arange(0, BLOCK_D)
     m_d = o_d < HEAD_DIM
     b_x = tl.load(x_ptr + o_d, mask=m_d, other=0.0).to(tl.float32)
@@ -102,7 +102,7 @@ def norm_rope_head(
         b_s = tl.load(sin_ptr + o_c, mask=m_rot, other=0.0)
         b_rot = tl.where(first, b_y * b_c - b_yp * b_s, b_y * b_c + b_yp * b_s)
         b_y = round_to(tl.where(m_rot, b_rot, b_y), MID)
-    if KEEP_FP32:
+    if EXACT:
         b_y = round_to(b_y, OUT)
     tl.store(out_ptr + o_d, b_y.to(OUT), mask=m_d)
 

@@ -81,19 +81,19 @@ def norm_rope_kernel(
         norm_rope_head(q_ptr + i_t * stride_qt + i_h * stride_qh, q_w_ptr,
                        cos_ptr + i_t * stride_cos, sin_ptr + i_t * stride_sin,
                        q_out_ptr + (i_t * Hq + i_h) * HEAD_DIM, stride_qw, eps,
-                       HEAD_DIM, HALF, BLOCK_D, False, False)
+                       HEAD_DIM, HALF, BLOCK_D, False)
     elif i_h < Hq + Hkv:
         i_k = i_h - Hq
         norm_rope_head(k_ptr + i_t * stride_kt + i_k * stride_kh, k_w_ptr,
                        cos_ptr + i_t * stride_cos, sin_ptr + i_t * stride_sin,
                        k_out_ptr + (i_t * Hkv + i_k) * HEAD_DIM, stride_kw, eps,
-                       HEAD_DIM, HALF, BLOCK_D, False, False)
+                       HEAD_DIM, HALF, BLOCK_D, False)
     else:
         i_i = i_h - Hq - Hkv
         norm_rope_head(iq_ptr + i_t * stride_it + i_i * stride_ih, iq_w_ptr,
                        icos_ptr + i_t * stride_icos, isin_ptr + i_t * stride_isin,
                        iq_out_ptr + (i_t * Hi + i_i) * INDEX_DIM, stride_iw, eps,
-                       INDEX_DIM, INDEX_HALF, BLOCK_DI, False, False)
+                       INDEX_DIM, INDEX_HALF, BLOCK_DI, False)
 
 
 # --------------------------------------------------------------------------------------------- launcher

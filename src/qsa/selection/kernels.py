@@ -184,7 +184,7 @@ def store_compressed_kernel(
                 if NORM_ROPE:
                     row = batch_row(perm_ptr, t, ORDERED)
                     norm_rope_head(kc_new_ptr + t.to(tl.int64) * D, w_ptr, cos_ptr + row * stride_cos,
-                                   sin_ptr + row * stride_sin, p_kc, stride_w, eps, D, HALF, D, True, True)
+                                   sin_ptr + row * stride_sin, p_kc, stride_w, eps, D, HALF, D, True)
                 else:
                     KC: tl.constexpr = kc_ptr.dtype.element_ty
                     val = tl.load(kc_new_ptr + t.to(tl.int64) * D + o_d)
