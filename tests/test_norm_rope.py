@@ -46,6 +46,7 @@ def _case(geometry, dtype, device, *, seed=0, strided_cos=False, weight_dtype=No
                 k_weight=(torch.randn(d, generator=g) * 0.1).to(wd), iq=rand(T, hi, di, scale=0.5),
                 iq_weight=(torch.randn(di, generator=g) * 0.1).to(wd), cos=cos, sin=sin, icos=icos, isin=isin)
     args = {name: t.to(device) for name, t in args.items()}
+    args["q"] = qg.to(device)[..., :d]  # the strided view on the device too
     args["eps"] = EPS
     return args
 

@@ -317,10 +317,11 @@ def environment(variables: tuple | None = None) -> tuple:
 def context(device: torch.device) -> tuple[int, tuple] | None:
     """(stream, :func:`environment`) of a call on ``device`` that may record and replay now, or None: a GPU
     outside CUDA-graph capture with no Triton launch hooks, or the interpreter where
-    :data:`ON_INTERPRETER` allows it. The stream is the device's current raw stream (0 under the
+    :data:`ON_INTERPRETER` allows it, and no :class:`Recorder` active (an outer recording sees every launch
+    of the calls inside it, none of them served by a replay of its own). The stream is the device's current raw stream (0 under the
     interpreter). The environment is read once here, for the whole call."""
-    if not settings.REPLAY_STEPS:
-        return None
+    if not settings.REPLAY_STEPS or getattr(_local, "recorder", None) is not None:
+        return None  # inside a recording the launches go to it, as they are
     variables = _variables()
     kind = device.type
     if variables[0] not in utils.OFF_VALUES:  # the interpreter
