@@ -238,9 +238,10 @@ def test_bits_depend_on_the_values_alone():
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 
-def test_merge_is_recorded_for_replay():
+def test_merge_is_recorded_for_replay(device):
     """Launched through ``qsa.attention.replay.launch``, so a recorded eager step sees it: one launch."""
     outs, lses = random_parts(2, seed=1)
+    outs, lses = [o.to(device) for o in outs], [x.to(device) for x in lses]
     with replay.Recorder() as rec:
         qsa.merge_attention_states(outs, lses)
     launches = [s for s in rec.steps if s[0] == "launch"]
