@@ -37,7 +37,7 @@ def check_route(case, route, *, rows_sorted=False, **kwargs):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_routes_match_reference(route, dtype, kv_cache_dtype):
-    case = make_attention_case(rows=19, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32,
+    case = make_attention_case(rows=11, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32,
                                block_size=16, width=24, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
                                with_gate=True, seed=1)
     check_route(case, route)
@@ -51,7 +51,7 @@ def test_routes_match_reference(route, dtype, kv_cache_dtype):
     dict(num_q_heads=6, num_kv_heads=1, head_dim=128, block_size=64, layout="interleaved"),
 ])
 def test_shapes_layouts_and_block_sizes(route, shape):
-    case = make_attention_case(rows=11, num_reqs=2, width=20, max_seq_len=120, seed=2, **shape)
+    case = make_attention_case(rows=7, num_reqs=2, width=20, max_seq_len=120, seed=2, **shape)
     check_route(case, route)
 
 
@@ -94,7 +94,7 @@ def test_split_lists_merge_in_order(route, monkeypatch):
 def test_merge_in_column_chunks(route, cols, warps, monkeypatch):
     """The split merge with each head's columns cut over several programs (``qsa.attention.launch.merge_config``):
     exact, out and LSE (every column program stores the same LSE), and bitwise stable under relocation."""
-    case = make_attention_case(rows=9, num_reqs=2, num_q_heads=4, num_kv_heads=2, head_dim=32, width=120,
+    case = make_attention_case(rows=6, num_reqs=2, num_q_heads=4, num_kv_heads=2, head_dim=32, width=120,
                                max_seq_len=300, with_gate=True, seed=9)
     monkeypatch.setattr(qsa.attention.routing, "split_count", lambda programs, max_tiles, per_sm, device, cap=None: 3)
     monkeypatch.setattr(qsa.attention.launch, "merge_config", lambda splits, d, xqa_lists=None: (cols, warps))
@@ -119,7 +119,7 @@ def test_grouped_lazy_rescale(lazy, monkeypatch):
 
 
 def test_scales_and_softmax_scale():
-    case = make_attention_case(rows=9, num_reqs=2, num_q_heads=4, num_kv_heads=1, head_dim=16, width=16,
+    case = make_attention_case(rows=6, num_reqs=2, num_q_heads=4, num_kv_heads=1, head_dim=16, width=16,
                                kv_cache_dtype="fp8_e4m3", seed=5)
     for route in ROUTES:
         check_route(case, route, softmax_scale=0.3, k_scale=0.7, v_scale=1.9)
@@ -145,8 +145,16 @@ def _run(case, route, **kw):
 
 
 @pytest.mark.parametrize("route", ["grouped", slow("xqa"), slow("invariant"), "auto"])
-def test_bitwise_determinism(route):
-    rows = 69 if route == "auto" else 24
+def test_bitwise_determinism(route, monkeypatch):
+    """Repeats, permuted index entries and page moves (also into a larger cache with collision-prone ids):
+    the same bits. On auto a mixed batch: two groups of 8 rows and 5 rows left over to xqa (the grouping
+    threshold lowered to 16 rows)."""
+    rows = 24
+    if route == "auto":
+        monkeypatch.setattr(qsa.settings, "GROUPED_MIN_ROWS", 16)
+        rows = 21
+        mixed = qsa.attention.routing.choose("auto", rows=rows, G=6, head_dim=32, device=torch.device("cpu"))
+        assert (mixed.route, mixed.grouped_rows) == ("grouped", 16)
     case = make_attention_case(rows=rows, num_reqs=4, num_q_heads=6, num_kv_heads=1, head_dim=32,
                                block_size=16, width=40, max_seq_len=160, with_gate=True, seed=7)
     base = _run(case, route)
@@ -171,23 +179,22 @@ def test_splitk_score_halves(dtype, kv_cache_dtype, monkeypatch):
     import qsa
     from test_xqa_direct import _one_half_twice
 
-    case = make_attention_case(rows=13, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=70,
+    case = make_attention_case(rows=7, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=70,
                                max_seq_len=200, dtype=dtype, kv_cache_dtype=kv_cache_dtype, with_gate=True,
                                seed=31)
     halves = qsa.settings.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, qk_halves=True)
     monkeypatch.setattr(qsa.attention.splitk.launch, "splitk_config", lambda G, D, lists=None, kv_fp8=False, sm_count=None: halves)
     monkeypatch.setattr(qsa.attention.routing, "split_count", lambda programs, max_tiles, per_sm, device, cap=None: 3)
-    check_route(case, "splitk")
-    base = _run(case, "splitk")
+    base = _run(case, "splitk", out=torch.full_like(case.q, float("nan")))
+    check_against_reference(case, base, "splitk")
     assert_bitwise(base, _run(case, "splitk"), "repeat")
     g = torch.Generator().manual_seed(32)
     assert_bitwise(base, _run(case.with_permuted_indices(g), "splitk"), "permuted indices")
     mapping = random_mapping(case.cache.num_blocks, generator=g)
     assert_bitwise(base, _run(case.relocated(mapping), "splitk"), "relocation")
-    if kv_cache_dtype == "auto" and dtype == torch.float16:
-        monkeypatch.setattr(qsa.attention.kernels, "attend_tile_halves", _one_half_twice)
-        with pytest.raises(AssertionError):
-            check_route(case, "splitk")
+    monkeypatch.setattr(qsa.attention.kernels, "attend_tile_halves", _one_half_twice)
+    with pytest.raises(AssertionError):
+        check_route(case, "splitk")
 
 
 def test_splitk_settings_by_head_dim_and_lists(monkeypatch):
@@ -300,7 +307,7 @@ def _sandwiched(cache: PagedKVCache, guard_blocks: int = 3) -> PagedKVCache:
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8_e4m3"])
 def test_adversarial_indices_and_tables_are_never_read(kv_cache_dtype):
-    case = make_attention_case(rows=16, num_reqs=3, num_q_heads=2, num_kv_heads=1, head_dim=16, width=24,
+    case = make_attention_case(rows=10, num_reqs=3, num_q_heads=2, num_kv_heads=1, head_dim=16, width=24,
                                kv_cache_dtype=kv_cache_dtype, seed=9)
     g = torch.Generator().manual_seed(12)
     wild = torch.tensor([-2**31, -5, 2**31 - 1, 2**30, 10**6], dtype=torch.int32)
@@ -601,18 +608,27 @@ def test_self_aliasing_request_counts_both_copies(route):
     check_route(case, route)
 
 
-def test_auto_sends_a_decode_batch_to_xqa():
-    """One row per request (max_query_len=1): auto plans no groups, even at 64+ rows, and computes the
-    same output as without the hint; the layer's step metadata derives the hint from its rows."""
-    case = make_attention_case(rows=64, num_reqs=64, num_q_heads=2, num_kv_heads=1, head_dim=16, width=12,
+def test_auto_sends_a_decode_batch_to_xqa(monkeypatch):
+    """One row per request (max_query_len=1): auto plans no groups, even at ``GROUPED_MIN_ROWS`` rows or
+    more (the shipped 64 in the route choice; the plans and runs at the threshold lowered to 16 rows, two
+    groups), and computes the same output as without the hint; the layer's step metadata derives the hint
+    from its rows."""
+    choose, shipped = qsa.attention.routing.choose, qsa.settings.GROUPED_MIN_ROWS
+    shape = dict(G=2, head_dim=16, device=torch.device("cpu"))
+    assert choose("auto", rows=shipped, **shape).grouped_rows == shipped
+    assert choose("auto", rows=shipped, max_query_len=2, **shape).grouped_rows == shipped
+    assert (choose("auto", rows=shipped, max_query_len=1, **shape).route,
+            choose("auto", rows=shipped, max_query_len=1, **shape).grouped_rows) == ("xqa", 0)
+    monkeypatch.setattr(qsa.settings, "GROUPED_MIN_ROWS", 16)
+    case = make_attention_case(rows=16, num_reqs=16, num_q_heads=2, num_kv_heads=1, head_dim=16, width=12,
                                seed=6)
     kw = dict(block_size=16, num_blocks=case.cache.num_blocks, num_q_heads=2, num_kv_heads=1, head_dim=16)
     args = (case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens)
     plain = qsa.plan_attention(*args, **kw)
     decode = qsa.plan_attention(*args, **kw, max_query_len=1)
-    assert plain.routes.grouped_rows == 64 and plain.grouped is not None
+    assert plain.routes.grouped_rows == 16 and plain.grouped is not None
     assert (decode.routes.route, decode.routes.grouped_rows, decode.grouped) == ("xqa", 0, None)
-    assert qsa.plan_attention(*args, **kw, max_query_len=2).routes.grouped_rows == 64
+    assert qsa.plan_attention(*args, **kw, max_query_len=2).routes.grouped_rows == 16
     nan = torch.full_like(case.q, float("nan"))
     auto = case.run(qsa.sparse_paged_attention, route="auto", max_query_len=1, out=nan, return_lse=True)
     assert_bitwise(auto, _run(case, "xqa"), "auto with max_query_len=1 vs xqa")
@@ -755,7 +771,7 @@ def test_the_plan_decides_every_launch(route, monkeypatch):
     """Settings, splits and partials are decided by plan_attention: run_attention decides nothing (a
     route choice or split count asked for at run time fails the test), a plan refilled with ``out=`` keeps
     its partials and scratch, and a plan made for one cache dtype refuses another."""
-    case = make_attention_case(rows=11, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16,
+    case = make_attention_case(rows=6, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16,
                                block_size=16, width=200, max_seq_len=400, messy=False, seed=4)
     three = lambda programs, max_tiles, per_sm, device, cap=None: 3  # noqa: E731
     monkeypatch.setattr(qsa.attention.routing, "split_count", three)

@@ -1,5 +1,6 @@
 """``qsa demo`` and ``qsa verify`` on the CPU: they run, report, and fail loudly when bits differ."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -379,11 +380,20 @@ def test_verify_catches_the_physical_order(device):
     assert checks[0].status == "FAIL" and "out" in checks[0].detail
 
 
+def _rows_of(step, rows):
+    """Rows ``rows`` of a captured step as a step of their own: the same caches, table and lengths."""
+    return dataclasses.replace(step, q=step.q[rows], gate=step.gate[rows], iq=step.iq[rows],
+                               token_to_req=step.token_to_req[rows], positions=step.positions[rows],
+                               indices=step.indices[rows])
+
+
 def test_verify_batch_invariance(monkeypatch):
     """``--route invariant``: the step's rows in sub-batches (reversed, half, alone) give the whole step's bits;
     a batch-dependent attention fails the check; other routes skip it (they promise a fixed batch shape's
-    bits only)."""
-    step = qsa.cli.verify.capture_step("cpu")
+    bits only). The step is 12 rows spread over the captured one (both requests, first and last rows)."""
+    full = qsa.cli.verify.capture_step("cpu")
+    step = _rows_of(full, torch.linspace(0, full.rows - 1, 12).round().long())
+    assert step.rows == 12 and len(set(step.token_to_req.tolist())) == 2
     v = qsa.cli.verify.Verifier(step, route="invariant", sample=2, log=lambda *_: None)
     c = v.batch_invariance()
     assert (c.status, c.runs) == ("ok", 4), c.detail

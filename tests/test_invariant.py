@@ -134,16 +134,20 @@ class _ReversedMerge:
         return launch
 
 
+LONG_ROWS = 4
+"""Rows of :func:`_long_rows`: a batch of this many rows is the whole batch."""
+
+
 def _long_rows() -> AttentionCase:
-    """6 rows at the end of one request, 96 distinct tokens each (6 splits of 16 with 1-tile splits), 16
+    """4 rows at the end of one request, 64 distinct tokens each (4 splits of 16 with 1-tile splits), 16
     heads on one KV head: a row's 16 LSEs show in their last bits how its sums were cut and folded."""
-    case = make_attention_case(rows=6, num_reqs=1, num_q_heads=16, num_kv_heads=1, head_dim=16, width=96,
+    case = make_attention_case(rows=LONG_ROWS, num_reqs=1, num_q_heads=16, num_kv_heads=1, head_dim=16, width=64,
                                max_seq_len=400, messy=False, padding_rows=0, share_prefix=False, seed=46)
     n = int(case.seq_lens[0])
-    assert n > 101
+    assert n > 64 + LONG_ROWS
     g = torch.Generator().manual_seed(46)
-    case.positions = n - 1 - torch.arange(6)
-    case.indices = torch.stack([torch.randperm(int(p) + 1, generator=g)[:96] for p in case.positions]).to(torch.int32)
+    case.positions = n - 1 - torch.arange(LONG_ROWS)
+    case.indices = torch.stack([torch.randperm(int(p) + 1, generator=g)[:64] for p in case.positions]).to(torch.int32)
     return case
 
 
@@ -151,16 +155,16 @@ _ONE_SPLIT = dataclasses.replace(SMALL, split_tiles=1)
 
 
 def _folded_in_the_whole_batch(c):
-    """The route with one-tile splits, folded in the kernel for the whole batch of ``_long_rows`` (6 rows) and
-    merged by the merge kernel in every other batch."""
-    return run(c, fold=c.q.shape[0] == 6, config=_ONE_SPLIT)
+    """The route with one-tile splits, folded in the kernel for the whole batch of ``_long_rows`` (``LONG_ROWS``
+    rows) and merged by the merge kernel in every other batch."""
+    return run(c, fold=c.q.shape[0] == LONG_ROWS, config=_ONE_SPLIT)
 
 
 def test_the_invariance_check_rejects_splits_sized_by_the_batch():
     """A known-wrong variant that the check must reject: splits sized by the batch (as the other routes
     size theirs)."""
     def by_batch(c):
-        return run(c, config=dataclasses.replace(_ONE_SPLIT, split_tiles=1 if c.q.shape[0] == 6 else 3))
+        return run(c, config=dataclasses.replace(_ONE_SPLIT, split_tiles=1 if c.q.shape[0] == LONG_ROWS else 3))
 
     with pytest.raises(AssertionError, match="not bitwise equal"):
         assert_batch_invariant(by_batch, _long_rows())

@@ -327,10 +327,13 @@ def two_layers(device, rows):
 
 
 @pytest.mark.parametrize("prefill", [False, True], ids=["decode", "prefill-grouped"])
-def test_forward_plans_reuse_is_bitwise(prefill, device):
+def test_forward_plans_reuse_is_bitwise(prefill, device, monkeypatch):
     """Two layers with different selections, two forwards: ForwardPlans gives the bits of plain calls, one
-    plan per batch shape, whose buffers stay where the first forward put them."""
-    a, b = two_layers(device, 64 if prefill else 8)
+    plan per batch shape, whose buffers stay where the first forward put them. The prefill batch is two
+    groups of 8 rows (the grouping threshold lowered to 16 rows)."""
+    if prefill:
+        monkeypatch.setattr(qsa.settings, "GROUPED_MIN_ROWS", 16)
+    a, b = two_layers(device, 16 if prefill else 8)
     plain_a, plain_b = a.call(prefill), b.call(prefill)
     b.check(plain_b, "layer b")
     plans = qv.ForwardPlans()
