@@ -146,17 +146,18 @@ def _launch_counter(monkeypatch):
 
 
 def _generate_counting(monkeypatch, route):
-    """Serve two requests (68 and 10 tokens; chunks of 70 rows: 68 + 2 rows of two requests, 64 grouped + 6
-    xqa, then 8 xqa; 2 decode steps) on a 2-layer model; returns the result and the kernels launched in
-    each step."""
+    """Serve two requests (20 and 10 tokens; chunks of 22 rows: 20 + 2 rows of two requests, 16 grouped + 6
+    xqa with the grouping threshold lowered to 16 rows, then 8 xqa; 2 decode steps) on a 2-layer model;
+    returns the result and the kernels launched in each step."""
     from collections import Counter
 
     from qsa.model.tiny import TinyConfig, TinyQSAModel
     from qsa.model.serving import Engine, ServingConfig
 
+    monkeypatch.setattr(qsa.settings, "GROUPED_MIN_ROWS", 16)
     launched = _launch_counter(monkeypatch)
     model = TinyQSAModel(TinyConfig.small(num_layers=2), device="cpu")
-    engine = Engine(model, ServingConfig(num_blocks=16, block_size=16, max_reqs=2, max_blocks_per_req=6, chunk_size=70,
+    engine = Engine(model, ServingConfig(num_blocks=16, block_size=16, max_reqs=2, max_blocks_per_req=6, chunk_size=22,
                                          route=route, backend="torch"))
     per_step, seen = [], Counter()
 
@@ -165,7 +166,7 @@ def _generate_counting(monkeypatch, route):
         seen.update(launched - seen)
 
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (68, 10)]
+    prompts = [torch.randint(0, 512, (n,), generator=g).tolist() for n in (20, 10)]
     res = engine.generate(prompts, 3, on_step=on_step)
     return res, per_step
 

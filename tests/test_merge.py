@@ -15,7 +15,7 @@ import qsa
 import qsa.attention.merge as merge_mod
 from qsa.attention import replay
 from qsa.attention.merge import merge_reference
-from helpers import check_against_reference, make_attention_case, poisoned
+from helpers import check_against_reference, make_attention_case, poisoned, slow
 
 FP16, BF16, FP32 = torch.float16, torch.bfloat16, torch.float32
 INF = math.inf
@@ -85,7 +85,7 @@ def random_parts(parts, rows=6, heads=3, head_dim=16, dtype=FP16, seed=0):
 # ------------------------------------------------------------------------------- against the union
 
 
-@pytest.mark.parametrize("dtype,parts", [(FP16, 2), (FP16, 3), (BF16, 3)])
+@pytest.mark.parametrize("dtype,parts", [slow(FP16, 2), (FP16, 3), (BF16, 3)])
 def test_merged_shares_match_attention_over_the_union(dtype, parts):
     """Each share attended by the xqa route, merged: attention over the union within the project's
     tolerance of the fp64 reference (docs/spec.md section 4), lse included, padding rows 0 / -inf; and

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import qsa
-from helpers import HAS_CUDA, assert_bitwise, check_against_reference, make_attention_case, poisoned
+from helpers import HAS_CUDA, assert_bitwise, check_against_reference, make_attention_case, poisoned, slow
 from qsa import settings
 from qsa.attention import api, replay
 from qsa.cache.paged import random_mapping
@@ -58,8 +58,9 @@ def entries():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kv", ["auto", "fp8_e4m3"])
-@pytest.mark.parametrize("route", ["auto", "grouped", "xqa", "splitk", "invariant"])
+@pytest.mark.parametrize("route,kv", [(route, "auto") for route in ("auto", "grouped", "xqa", "splitk", "invariant")]
+                         + [("auto", "fp8_e4m3"), slow("grouped", "fp8_e4m3"), ("xqa", "fp8_e4m3"),
+                            slow("splitk", "fp8_e4m3"), ("invariant", "fp8_e4m3")])
 def test_a_replay_gives_the_full_paths_bits(device, kv, route):
     first = case_for(device, kv, with_gate=route == "auto")
     call(first, route=route, out=poisoned(first.q.shape, first.q.dtype, first.q.device))
