@@ -591,7 +591,8 @@ def suite_lines(report: dict) -> list:
         "planners. `auto` is the route the library picks (the one it took in parentheses). Beside the graph "
         "median, for `auto` and the qsa routes: `eager ms`, one eager plan + run call (L2 flushed, device idle "
         "before it); `host us`, the host time to enqueue one `sparse_paged_attention` call; `host run us`, one "
-        f"`run_attention` on a held plan. Checked: {len(passed)} of {len(records)} routes and baselines passed.",
+        f"`run_attention` on a held plan; these three are timed after the scenario's graph times, in rounds that "
+        f"interleave its routes. Checked: {len(passed)} of {len(records)} routes and baselines passed.",
         "- **Rerun**: `qsa bench` (or `PYTHONPATH=src python -m benchmarks.run`) from the checkout root on the GPU; "
         "`--quick` for the key targets, `-s GLOB` / `-r GLOB` for some scenarios or routes. The tools beyond the "
         "suite (sweeps, floors, A/B, per-kernel breakdown): `benchmarks/README.md`; where each route stands and "

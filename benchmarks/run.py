@@ -24,6 +24,7 @@ import datetime as _dt
 import functools
 import math
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -217,7 +218,7 @@ class Suite:
         return routes
 
     def steps_of(self, scn: Scenario) -> int:
-        return len(self.routes_of(scn)) + 1
+        return len(self.routes_of(scn)) + (2 if scn.kind == "attention" else 1)
 
     def measure_ceilings(self):
         from .timing import measure_ceilings
@@ -303,6 +304,7 @@ class Suite:
         bytes_of = {"grouped": grouped_bytes}
 
         state: dict = {}
+        pending: list = []  # the eager and host-cost calls of the routes that passed, timed after the loop
         for route in self.routes_of(scn):
             self._step(f"{scn.name}: {route}")
             try:
@@ -318,8 +320,8 @@ class Suite:
                 extra = {} if plan is None else dict(plan_route=plan.routes.route,
                                                      grouped_rows=plan.routes.grouped_rows,
                                                      direct=plan.routes.direct)
-                costs = (functools.partial(self._eager_costs, scn, w, route) if route in HOST_COST_ROUTES
-                         else None)
+                costs = (functools.partial(self._eager_calls, scn, w, route, pending)
+                         if route in HOST_COST_ROUTES else None)
                 bounds = gate_bounds(ref, dtype, None if route == "naive" else yard)
                 # auto reads what the route it took reads (grouped: groups of 8 rows from row 0, as
                 # the grouped bytes count them; rows left to xqa are a last group's few rows)
@@ -334,6 +336,8 @@ class Suite:
             finally:
                 state.pop("fn", None)
 
+        self._step(f"{scn.name}: eager and host costs")
+        self._eager_costs(pending)
         self._add_floors(scn, flops, row_bytes, grouped_bytes if "grouped" in self.routes_of(scn) else None)
         self._fill_ratios(scn.name, "splitk", "vs_splitk")
 
@@ -358,49 +362,91 @@ class Suite:
         t = self.timer.time(fn, graph=graph)
         self._sync()
         fields = self._timed(fields, t, bool(torch.equal(out, eager)), flops, nbytes)
-        if costs is not None and fields["passed"]:
-            fields.update(costs(fn, out, eager, t))
-        return self._add(scn, route, kind, **fields)
+        rec = self._add(scn, route, kind, **fields)
+        if costs is not None and rec["passed"]:
+            costs(rec, fn, out, eager, t)
+        return rec
 
-    def _eager_costs(self, scn, w, route, fn, out, checked, timed) -> dict:
-        """What a caller without a CUDA graph pays for ``route`` (see ``benchmarks.host_cost``):
+    EAGER_ROUNDS = 5
+    """Rounds of the eager and host-cost timing on a GPU: in each, every route of the scenario takes its share
+    of the calls in turn (the first route of each round rotates), so that a drift of the host's speed over
+    the scenario weighs on every route alike."""
 
-        * ``eager_ms``: one eager call of ``fn`` (the plan + run step the graph column replays), the L2
-          flushed and the device idle before each (``Timer.time_eager``, median of ``eager_reps``). On
-          the CPU both that and the graph column's ``Timer.time`` are the same wall-clock median of
-          eager calls of ``fn``: ``timed``, the graph column's, is taken as it is;
-        * ``host_us``: host time to enqueue one ``qsa.sparse_paged_attention`` call (plan + run) with the
-          scenario's hints, median of ``host_calls`` (``Timer.host_us``);
-        * ``host_run_us``: the same for ``qsa.run_attention`` on a plan held from one ``plan_attention``.
-
-        All three write ``out``, which must then still equal the checked output bitwise (what was timed
-        is what was checked); otherwise the record fails and keeps no eager or host figures. An error
-        fails the record too, its graph time kept."""
+    def _eager_calls(self, scn, w, route, pending: list, rec: dict, fn, out, checked, timed) -> None:
+        """Queue what a caller without a CUDA graph pays for ``route`` for :meth:`_eager_costs`: ``fn``
+        (the plan + run step the graph column replays), one ``qsa.sparse_paged_attention`` call (plan +
+        run) with the scenario's hints and one ``qsa.run_attention`` on a plan held from one
+        ``plan_attention`` (``benchmarks.host_cost.calls_of``), all writing ``out``, whose checked output is
+        ``checked``. An error fails the record, its graph time kept."""
         from .host_cost import calls_of
 
-        torch = self.torch
         try:
-            t = self.timer.time_eager(fn, reps=self.eager_reps) if self.timer.is_cuda else timed
-            self._sync()
-            same = [("eager", bool(torch.equal(out, checked)))]
             plan_run, run_only = calls_of(scn, w, route, out=out)
-            host = self.timer.host_us(plan_run, calls=self.host_calls)
-            self._sync()
-            same.append(("sparse_paged_attention", bool(torch.equal(out, checked))))
-            host_run = self.timer.host_us(run_only, calls=self.host_calls)
-            self._sync()
-            same.append(("run_attention", bool(torch.equal(out, checked))))
         except Exception as e:
             if _is_fatal(e):
                 raise
-            return dict(passed=False, error=f"eager / host-cost timing: {_err_text(e)}")
-        differ = [name for name, ok in same if not ok]
-        if differ:
-            return dict(passed=False, eager_equal=False,
-                        error=f"the output of the {' and '.join(differ)} calls timed for the eager columns "
-                              "differs from the checked output; not counted")
-        return dict(eager_ms=t.median_ms, eager_min_ms=t.min_ms, eager_max_ms=t.max_ms, eager_reps=t.reps,
-                    host_us=host, host_run_us=host_run, host_calls=self.host_calls, eager_equal=True)
+            rec.update(passed=False, error=f"eager / host-cost timing: {_err_text(e)}")
+            return
+        pending.append(dict(rec=rec, fn=fn, out=out, checked=checked, timed=timed, plan_run=plan_run,
+                            run_only=run_only, eager=[], host=[], host_run=[], differ=set()))
+
+    def _eager_costs(self, pending: list) -> None:
+        """The eager and host-cost fields of each queued record (see ``benchmarks.host_cost``):
+
+        * ``eager_ms``: one eager call of the step, the L2 flushed and the device idle before each
+          (``Timer.eager_samples``), median of ``eager_reps``. On the CPU both that and the graph column's
+          ``Timer.time`` are the same wall-clock median of eager calls: the graph column's is taken;
+        * ``host_us``: host time to enqueue one ``sparse_paged_attention`` call (plan + run), median of
+          ``host_calls`` (``Timer.host_samples``);
+        * ``host_run_us``: the same for ``run_attention`` on a held plan.
+
+        On a GPU the calls are spread over :attr:`EAGER_ROUNDS` rounds that interleave the routes. Every
+        call writes the route's output, which must then still equal the checked output bitwise (what was
+        timed is what was checked); otherwise the record fails and keeps no eager or host figures. An error
+        fails its record (the graph time kept) and takes the route out of the later rounds."""
+        torch = self.torch
+        timer = self.timer
+        rounds = self.EAGER_ROUNDS if timer.is_cuda else 1
+        eager_reps = -(-self.eager_reps // rounds)
+        host_calls = -(-self.host_calls // rounds)
+        live = list(pending)
+        for r in range(rounds):
+            for item in live[r % len(live):] + live[:r % len(live)] if live else []:
+                try:
+                    for name, key, timed in (("eager", "fn", timer.is_cuda), ("sparse_paged_attention", "plan_run", True),
+                                             ("run_attention", "run_only", True)):
+                        if not timed:
+                            continue
+                        if key == "fn":
+                            item["eager"] += timer.eager_samples(item["fn"], eager_reps)
+                        else:
+                            item["host" if key == "plan_run" else "host_run"] += timer.host_samples(item[key],
+                                                                                                   host_calls)
+                        self._sync()
+                        if not bool(torch.equal(item["out"], item["checked"])):
+                            item["differ"].add(name)
+                except Exception as e:
+                    if _is_fatal(e):
+                        raise
+                    item["rec"].update(passed=False, error=f"eager / host-cost timing: {_err_text(e)}")
+                    live.remove(item)
+        for item in live:
+            rec = item["rec"]
+            if item["differ"]:
+                differ = [name for name in ("eager", "sparse_paged_attention", "run_attention") if name in item["differ"]]
+                rec.update(passed=False, eager_equal=False,
+                           error=f"the output of the {' and '.join(differ)} calls timed for the eager columns "
+                                 "differs from the checked output; not counted")
+                continue
+            if timer.is_cuda:
+                eager = item["eager"]
+                rec.update(eager_ms=statistics.median(eager), eager_min_ms=min(eager), eager_max_ms=max(eager),
+                           eager_reps=len(eager))
+            else:
+                t = item["timed"]
+                rec.update(eager_ms=t.median_ms, eager_min_ms=t.min_ms, eager_max_ms=t.max_ms, eager_reps=t.reps)
+            rec.update(host_us=statistics.median(item["host"]), host_run_us=statistics.median(item["host_run"]),
+                       host_calls=len(item["host"]), eager_rounds=rounds, eager_equal=True)
 
     def _timed(self, fields: dict, t, replay_equal: bool, flops, nbytes) -> dict:
         """A checked record's fields with its times, or, when the timed replays' output differs from the

@@ -139,6 +139,12 @@ class Timer:
         host's enqueueing wherever the device waits on it (a CUDA graph replay hides exactly that)."""
         if not self.is_cuda:
             return self._time_wall(fn)
+        times = self.eager_samples(fn, reps)
+        return Timing(statistics.median(times), reps, "eager", min(times), max(times))
+
+    def eager_samples(self, fn, reps: int) -> list:
+        """The ms of ``reps`` eager calls of ``fn`` (after one untimed call), timed as :meth:`time_eager`
+        times them (CUDA only)."""
         fn()
         times = []
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -150,12 +156,17 @@ class Timer:
             end.record()
             end.synchronize()
             times.append(start.elapsed_time(end))
-        return Timing(statistics.median(times), reps, "eager", min(times), max(times))
+        return times
 
     def host_us(self, fn, calls: int = 200, drain_every: int = 20) -> float:
         """Median host time of one call of ``fn`` in microseconds: the time to enqueue it, not to run
         it. The device is drained every ``drain_every`` calls (outside the timed calls), so a call
         never waits on a full launch queue."""
+        return statistics.median(self.host_samples(fn, calls, drain_every))
+
+    def host_samples(self, fn, calls: int, drain_every: int = 20) -> list:
+        """The host microseconds of ``calls`` calls of ``fn`` (after one untimed call), counted as
+        :meth:`host_us` counts them."""
         fn()
         times = []
         for i in range(calls):
@@ -163,10 +174,10 @@ class Timer:
                 torch.cuda.synchronize(self.device)
             t0 = time.perf_counter()
             fn()
-            times.append(time.perf_counter() - t0)
+            times.append((time.perf_counter() - t0) * 1e6)
         if self.is_cuda:
             torch.cuda.synchronize(self.device)
-        return statistics.median(times) * 1e6
+        return times
 
     def _time_do_bench(self, fn) -> Timing:
         from triton.testing import do_bench

@@ -291,6 +291,78 @@ def test_a_replay_that_differs_from_the_checked_output_is_not_counted():
     assert "differs from the checked output" in rec["error"]
 
 
+class _OrderTimer:
+    """A stand-in GPU timer: the calls it was asked to time, in order; each timed call runs ``fn``."""
+    is_cuda = True
+
+    def __init__(self):
+        self.order = []
+
+    def eager_samples(self, fn, reps):
+        self.order.append(("eager", fn.route, reps))
+        for _ in range(reps):
+            fn()
+        return [1.0 + 0.1 * len(self.order)] * reps
+
+    def host_samples(self, fn, calls, drain_every=20):
+        self.order.append(("host", fn.route, calls))
+        for _ in range(calls):
+            fn()
+        return [10.0] * calls
+
+
+def _queued(suite, route, rec, writes):
+    """A queued record of ``route`` whose three calls write ``writes[name]()`` into its output."""
+    out, checked = torch.zeros(4), torch.ones(4)
+
+    def call(name):
+        def f():
+            out.copy_(writes.get(name, lambda: checked)())
+        f.route = route
+        return f
+
+    return dict(rec=rec, fn=call("fn"), out=out, checked=checked, timed=None, plan_run=call("plan_run"),
+                run_only=call("run_only"), eager=[], host=[], host_run=[], differ=set())
+
+
+def test_eager_costs_interleave_the_routes_and_check_every_call():
+    """The eager and host-cost calls of a scenario's routes are timed in rounds that interleave the routes
+    (the first route rotates), each route's share of the calls per round; the fields are the medians of all
+    rounds. A route whose timed calls write other bits than the checked ones, in any of the three kinds of
+    call, fails with the kind named; one that raises fails alone and leaves the later rounds."""
+    suite = run.Suite("cpu", eager_reps=10, host_calls=20)
+    suite.timer = _OrderTimer()
+    suite._sync = lambda: None
+    recs = {name: dict(route=name, passed=True) for name in ("a", "b", "c", "d", "e")}
+    wrong = lambda: torch.full((4,), 2.0)  # noqa: E731
+
+    def boom():
+        raise RuntimeError("boom")
+
+    pending = [_queued(suite, "a", recs["a"], {}), _queued(suite, "b", recs["b"], {}),
+               _queued(suite, "c", recs["c"], {"run_only": wrong}),
+               _queued(suite, "d", recs["d"], {"plan_run": boom}), _queued(suite, "e", recs["e"], {"fn": wrong})]
+    suite._eager_costs(pending)
+    order = suite.timer.order
+    firsts = [route for kind, route, n in order if kind == "eager"]
+    assert firsts[:5] == ["a", "b", "c", "d", "e"] and firsts[5:9] == ["b", "c", "e", "a"], firsts
+    assert all(n == (2 if kind == "eager" else 4) for kind, _, n in order)
+    assert sum(1 for kind, route, _ in order if route == "a" and kind == "eager") == run.Suite.EAGER_ROUNDS
+    a = recs["a"]
+    assert a["passed"] and a["eager_equal"] and a["eager_reps"] == 10 and a["host_calls"] == 20, a
+    assert a["eager_rounds"] == run.Suite.EAGER_ROUNDS and a["host_us"] == 10.0 and a["host_run_us"] == 10.0
+    eager_a = [1.0 + 0.1 * (i + 1) for i, (kind, route, _) in enumerate(order) if kind == "eager" and route == "a"]
+    assert a["eager_ms"] == pytest.approx(sorted(eager_a)[2]) and a["eager_min_ms"] == pytest.approx(min(eager_a))
+    assert recs["b"]["passed"] and recs["b"]["eager_ms"] > a["eager_ms"]
+    for name, call in (("c", "run_attention"), ("e", "eager")):
+        r = recs[name]
+        assert r["passed"] is False and r["eager_equal"] is False and r.get("eager_ms") is None, r
+        assert f"the output of the {call} calls" in r["error"], r["error"]
+    d = recs["d"]
+    assert d["passed"] is False and "boom" in d["error"] and d.get("host_us") is None
+    assert sum(1 for _, route, _ in order if route == "d") == 2  # its first round's eager call, then the raise
+
+
 def test_failing_scenario_is_recorded_and_run_goes_on():
     suite = _tiny_suite()
     broken = dataclasses.replace(registry.BY_NAME["tiny-decode"], name="broken", rows=4, num_reqs=3)
