@@ -179,9 +179,10 @@ def test_splitk_score_halves(dtype, kv_cache_dtype, monkeypatch):
     import qsa
     from test_xqa_direct import _one_half_twice
 
-    case = make_attention_case(rows=7, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=70,
+    case = make_attention_case(rows=5, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=48,
                                max_seq_len=200, dtype=dtype, kv_cache_dtype=kv_cache_dtype, with_gate=True,
                                seed=31)
+    assert int((case.indices >= 0).sum(1).max()) > 2 * 16, "a row's list must span the three splits' tiles"
     halves = qsa.settings.SplitConfig(tile_tokens=16, num_warps=4, num_stages=2, qk_halves=True)
     monkeypatch.setattr(qsa.attention.splitk.launch, "splitk_config", lambda G, D, lists=None, kv_fp8=False, sm_count=None: halves)
     monkeypatch.setattr(qsa.attention.routing, "split_count", lambda programs, max_tiles, per_sm, device, cap=None: 3)

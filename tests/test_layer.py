@@ -281,9 +281,11 @@ def test_layer_matches_references(device, route):
     """Chunked prefill + decode (with padding rows) against: the fp64 layer given the selection, the
     loop reference of the selection on the layer's own index queries and keys, the reference
     compressed keys. Caches start as NaN, so a read of an unwritten slot would show."""
+    lens = (21, 11)  # request 0 prefilled in two chunks of RUN's 13 rows, rows past index_topk's 16 tokens
     layer = QSAAttention(TINY, seed=1, device=device)
-    xs = inputs(seed=2, device=device)
+    xs = inputs(seed=2, lens=lens, device=device)
     out, steps, cache = run_layer(layer, xs, **RUN, route=route, capture=True, allocator_seed=5)
+    assert len(steps) >= 4 and any(len(s["rows"]) == RUN["chunk_size"] for s in steps)  # chunked, then decode
     assert torch.isfinite(out).all()
     for s in steps:
         assert torch.equal(s["y"][len(s["rows"]):], torch.zeros_like(s["y"][len(s["rows"]):]))  # padding rows
@@ -296,13 +298,13 @@ def test_layer_matches_references(device, route):
     transform = index_key_transform(layer.index_k_norm, TINY.rms_norm_eps, TINY.index_rotary_dim, TINY.rope_theta)
     table = steps[-1]["meta"].block_table
     start = 0
-    for r, L in enumerate(LENS):
+    for r, L in enumerate(lens):
         want = qsa.selection.reference.compressed_keys_reference(ik_by_row[start:start + L], transform).to(cache.kc.dtype)
         got = torch.stack([cache.kc[int(table[r, b // 2]), b % 2] for b in range(L // 4)])
         assert torch.equal(got, want)
         start += L
-    idx = gather_indices(steps, sum(LENS))
-    assert ((idx >= 0).sum(1) < torch.cat([torch.arange(L) + 1 for L in LENS])).any()  # sparse rows
+    idx = gather_indices(steps, sum(lens))
+    assert ((idx >= 0).sum(1) < torch.cat([torch.arange(L) + 1 for L in lens])).any()  # sparse rows
     check_against_reference(layer, xs, out, idx, name=route)
 
 
@@ -340,9 +342,13 @@ def test_layer_bitwise_across_page_placements(device, route):
     output bits. TINY with two query heads on one KV head and two index heads: every kernel of the step
     reads the pages as at any head count."""
     layer = QSAAttention(replace(TINY, num_heads=2, num_kv_heads=1, index_heads=2), seed=4, device=device)
-    xs = inputs(seed=5, lens=(25, 14), device=device)
+    xs = inputs(seed=5, lens=(17, 10), device=device)  # request 0: two prefill chunks over three pages
     run = dict(chunk_size=13, decode_tokens=2, block_size=8, pad_rows=1)
-    outs = [run_layer(layer, xs, **run, route=route, allocator_seed=s, num_blocks=40)[0] for s in (11, 12)]
+    runs = [run_layer(layer, xs, **run, route=route, allocator_seed=s, num_blocks=40) for s in (11, 12)]
+    tables = [r[1][-1]["meta"].block_table for r in runs]
+    assert not torch.equal(tables[0], tables[1]), "the two placements must differ"
+    assert len(runs[0][1]) >= 4 and len(runs[0][1][-1]["rows"]) == 2  # chunked prefill, decode of both
+    outs = [r[0] for r in runs]
     assert torch.equal(outs[0].view(torch.int16), outs[1].view(torch.int16))
 
 

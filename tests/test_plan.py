@@ -432,15 +432,19 @@ def test_runs_across_chunk_boundaries(shuffle, one_chunk, monkeypatch):
     row planner reads each row in one step and sorts a row out of order itself."""
     if one_chunk:
         monkeypatch.setattr(qsa.attention.planning.plan, "row_plan_chunk", lambda rows, width, device, **kw: 2048)
-    width = 1300
+    width = 700  # the row planner's 512-entry steps on the CPU: two of them, a run across the boundary
     toks = (torch.arange(width) + 1) // 3  # each token about 3 times; microblock runs of ~12 entries
     toks[-7:] = -1
     if shuffle:
         toks = toks[torch.randperm(width, generator=torch.Generator().manual_seed(0))]
     indices = torch.stack([toks, toks.flip(0), toks // 2]).to(torch.int32)
     table = torch.randperm(40, generator=torch.Generator().manual_seed(1)).to(torch.int32)[None, :30]
-    args = (indices, table, torch.zeros(3, dtype=torch.int32), torch.tensor([420, 300, 1000]),
-            torch.tensor([460], dtype=torch.int32))
+    args = (indices, table, torch.zeros(3, dtype=torch.int32), torch.tensor([226, 161, 1000]),
+            torch.tensor([248], dtype=torch.int32))
+    chunk = qsa.attention.planning.plan.row_plan_chunk(3, width, "cpu")
+    if not one_chunk:
+        assert chunk < width, "the rows must take several steps"
+        assert shuffle or toks[chunk - 1] // 4 == toks[chunk] // 4 >= 0, "a run must straddle a step"
     single = plan_single_rows(*args, block_size=16, num_blocks=40)
     ref = reference_single_row_plan(*args, block_size=16, num_blocks=40)
     assert compare_plans(single, ref) == []
@@ -450,7 +454,7 @@ def test_runs_across_chunk_boundaries(shuffle, one_chunk, monkeypatch):
         assert compare_plans(plan_groups(*args, block_size=16, num_blocks=40, config=cfg), ref_grouped) == []
     tokens, counts = qsa.attention.planning.plan.token_lists(*args, block_size=16, num_blocks=40)
     for r in range(3):
-        kept = sorted({t for t in indices[r].tolist() if 0 <= t <= int(args[3][r]) and t < 460})
+        kept = sorted({t for t in indices[r].tolist() if 0 <= t <= int(args[3][r]) and t < 248})
         assert counts[r].item() == len(kept) and tokens[r, :len(kept)].tolist() == kept
 
 

@@ -68,7 +68,7 @@ def test_direct_matches_reference(order, dtype, kv_cache_dtype):
 def test_direct_score_halves_match_reference(dtype, kv_cache_dtype):
     """``qk_halves`` (K/V as four tiles of half the head, the scores summed from two products): the messy
     rows above, as given and sorted, splits merged, with and without the deferred check."""
-    case = make_attention_case(rows=7, num_reqs=3, num_q_heads=6, num_kv_heads=2, head_dim=32, width=40,
+    case = make_attention_case(rows=5, num_reqs=3, num_q_heads=4, num_kv_heads=2, head_dim=32, width=40,
                                max_seq_len=150, dtype=dtype, kv_cache_dtype=kv_cache_dtype, with_gate=True,
                                seed=27)
     check(case, run_direct(case, splits=1, qk_halves=True))
@@ -331,7 +331,7 @@ def test_direct_drops_tokens_past_the_length_below_the_position():
     seq_len`` drops): the direct kernel reads their table entries before the length is known and must
     drop them before any K/V load (their cache slots hold NaN). Exact, sorted and shuffled, resolved
     and tile by tile, with the plan entries loaded a tile ahead, and bitwise the same for both orders."""
-    case = make_attention_case(rows=6, num_reqs=3, num_q_heads=4, num_kv_heads=1, head_dim=16, width=44,
+    case = make_attention_case(rows=5, num_reqs=3, num_q_heads=2, num_kv_heads=1, head_dim=16, width=44,
                                max_seq_len=140, padding_rows=1, seed=29)
     idx, pos = case.indices.clone(), case.positions.clone()
     for r in (2, 3, 4):  # a row of each request
@@ -351,7 +351,7 @@ def test_direct_drops_tokens_past_the_length_below_the_position():
 @pytest.mark.parametrize("qk_halves", [slow(False), True])
 def test_direct_is_bitwise_deterministic(qk_halves):
     """Sorted vs shuffled rows (fast path vs in-kernel sort), repeats, and page moves: the same bits."""
-    case = make_attention_case(rows=6, num_reqs=3, num_q_heads=6, num_kv_heads=1, head_dim=32, width=48,
+    case = make_attention_case(rows=5, num_reqs=3, num_q_heads=6, num_kv_heads=1, head_dim=32, width=32,
                                max_seq_len=160, with_gate=True, seed=23)
     case.indices = ascending_rows(case.indices)
     base = run_direct(case, splits=2, qk_halves=qk_halves)
