@@ -293,6 +293,7 @@ def test_a_misaligned_input_takes_the_full_path():
     odd = base[1:].view(rows, hq, d)
     call(case_like(case, aligned.copy_(case.q)), route="xqa")
     got = call(case_like(case, odd), route="xqa")
+    assert api._STEPS.hits == 0, "a refused replay was counted as served"
     api._STEPS.clear()
     full = call(case_like(case, odd.clone()), route="xqa")
     assert_bitwise(got, full, "misaligned q")
@@ -426,6 +427,20 @@ def test_the_compiled_path_refuses_a_misaligned_input_before_launching():
     odd = torch.zeros(65)[1:]
     assert odd.data_ptr() % 16 and not step(dict(q=odd, out=out), stream=0)
     assert compiled.calls == [], "launched with a pointer the kernel assumes aligned"
+
+
+def test_a_cache_counts_the_calls_its_replays_served_not_those_they_refused():
+    q, out = torch.zeros(64), torch.zeros(64)
+    kernel, compiled = StandInKernel(["q", "out"]), StandInCompiled()
+    step = replay.Replay(recorded(kernel, compiled, (q, out), {}), dict(q=q, out=out), [], cuda=True)
+    cache = replay.ReplayCache()
+    assert cache.get("key", ()) is cache  # never seen
+    cache.put("key", step)
+    entry = cache.get("key", ())
+    assert entry is step and cache.hits == 0
+    assert not cache.serve(entry, dict(q=torch.zeros(65)[1:], out=out), stream=0) and cache.hits == 0
+    assert cache.serve(entry, dict(q=q, out=out), stream=0) and cache.hits == 1
+    assert len(compiled.calls) == 1, "one launch, of the served call"
 
 
 @pytest.mark.parametrize("wrong", ["stranger", "keyword", "shared"])

@@ -286,10 +286,12 @@ def test_overlapping_caches_are_refused_after_a_replayed_layout(monkeypatch):
     with pytest.raises(ValueError, match="must not share memory"):
         paged.write_kv(cache.k, cache.k, k, v, slots)
     assert len(full_calls) == 2
+    assert paged._WRITES.hits == 0, "a refused replay was counted as served"
     other = write_case(2)[0]
     apart_before = copy_of(other)
     paged.write_kv(cache.k, other.v, k, v, slots)  # the V half of another storage: apart
     assert len(full_calls) == 2, "caches apart were not replayed"
+    assert paged._WRITES.hits == 1
     paged._WRITES.clear()
     paged.write_kv(cache.k, apart_before.v, k, v, slots)
     assert torch.equal(other.v.contiguous().view(torch.uint8), apart_before.v.contiguous().view(torch.uint8))

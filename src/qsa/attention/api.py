@@ -425,7 +425,7 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
                     plan.inputs.check_unchanged()
                     check_forward_only(q, gate, k_cache, v_cache)
                     o, lse = _outputs(q, out, return_lse)
-                    if entry(_run_inputs(plan, q, k_cache, v_cache, gate, o, lse), stream):
+                    if plan.replays.serve(entry, _run_inputs(plan, q, k_cache, v_cache, gate, o, lse), stream):
                         return (o, lse) if return_lse else o
                 if entry is plan.replays:
                     with replay.Recorder() as rec:
@@ -615,9 +615,10 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
             if entry is not None and entry is not _STEPS:
                 check_forward_only(q, gate, k_cache, v_cache)
                 o, lse = _outputs(q, out, return_lse)
-                if entry(dict(q=q, k_cache=k_cache, v_cache=v_cache, indices=indices, block_table=block_table,
-                              token_to_req=token_to_req, positions=positions, seq_lens=seq_lens, gate=gate,
-                              out=o, lse=lse, index_counts=index_counts), stream):
+                inputs_now = dict(q=q, k_cache=k_cache, v_cache=v_cache, indices=indices, block_table=block_table,
+                                  token_to_req=token_to_req, positions=positions, seq_lens=seq_lens, gate=gate,
+                                  out=o, lse=lse, index_counts=index_counts)
+                if _STEPS.serve(entry, inputs_now, stream):
                     return (o, lse) if return_lse else o
             elif entry is _STEPS:
                 inputs = (key, device, stream)

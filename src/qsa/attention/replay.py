@@ -355,7 +355,8 @@ def _triton_runtime():
 class ReplayCache:
     """Replays by fingerprint, the least recently used dropped past ``settings.REPLAY_CACHE_SIZE`` entries
     or past ``settings.REPLAY_CACHE_BYTES`` of buffers held (the newest is always kept); a key that could
-    not be replayed maps to None (its calls take the full path without recording again)."""
+    not be replayed maps to None (its calls take the full path without recording again). ``hits`` counts
+    the calls a replay served (:meth:`serve`), not those it refused."""
 
     def __init__(self):
         self.entries = OrderedDict()
@@ -372,9 +373,16 @@ class ReplayCache:
         entry = self.entries.get(key, self)
         if entry is not self:
             self.entries.move_to_end(key)
-            if entry is not None:
-                self.hits += 1
         return entry  # self: never seen
+
+    def serve(self, entry, inputs: dict, stream: int) -> bool:
+        """Launch ``entry`` (a :class:`Replay` from :meth:`get`) on ``inputs``: True where it launched, counted
+        in :attr:`hits`; False where it refused (an input aligned otherwise than the recorded one's) and
+        launched nothing."""
+        if entry(inputs, stream):
+            self.hits += 1
+            return True
+        return False
 
     def put(self, key, replay) -> None:
         old = self.entries.pop(key, None)

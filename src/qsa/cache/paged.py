@@ -342,8 +342,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
             if entry is not None:
                 step, delta, k_span, v_span = entry
                 d = v_cache.data_ptr() - k_cache.data_ptr()
-                if (d == delta or d >= k_span or -d >= v_span) and \
-                        step(dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, slot_mapping=slot_mapping), stream):
+                if (d == delta or d >= k_span or -d >= v_span) and _WRITES.serve(
+                        step, dict(k_cache=k_cache, v_cache=v_cache, k=k, v=v, slot_mapping=slot_mapping), stream):
                     return
     _write_kv_full(k_cache, v_cache, k, v, slot_mapping, kv_cache_dtype, k_scale, v_scale, backend)
 

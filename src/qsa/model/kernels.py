@@ -181,7 +181,7 @@ def norm_rope(q: torch.Tensor, q_weight: torch.Tensor, k: torch.Tensor, k_weight
                 return _norm_rope_recorded(key, stream, tensors, eps)
             if entry is not None:
                 outs = _new_outputs(q, k, iq)
-                if entry(_replay_inputs(key[2], tensors, outs), stream):
+                if _NORM_ROPES.serve(entry, _replay_inputs(key[2], tensors, outs), stream):
                     return outs
     return _norm_rope_full(q, q_weight, k, k_weight, iq, iq_weight, cos, sin, icos, isin, eps)[0]
 

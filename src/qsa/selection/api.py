@@ -376,8 +376,9 @@ def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_l
             if entry is not None:
                 o = torch.empty(index_q.shape[0], 4 * k + 3, dtype=torch.int32, device=index_q.device) \
                     if out is None else out
-                if entry(dict(index_q=index_q, kc_cache=kc_cache, block_table=block_table, token_to_req=token_to_req,
-                              positions=positions, seq_lens=seq_lens, out=o), stream):
+                if _SELECTIONS.serve(entry, dict(index_q=index_q, kc_cache=kc_cache, block_table=block_table,
+                                                 token_to_req=token_to_req, positions=positions, seq_lens=seq_lens,
+                                                 out=o), stream):
                     return o
     return _select_tokens_full(index_q, kc_cache, block_table, token_to_req, positions, seq_lens, block_size, k,
                                out, backend)
@@ -607,7 +608,7 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
                 if not replay.shares_pointers(inputs):  # else served unrecorded, the fingerprint left open
                     _UPDATES.put(key, replay.replay_of(rec, inputs, [], raw_k.device, stream))
                 return
-            if entry is not None and entry(inputs, stream):
+            if entry is not None and _UPDATES.serve(entry, inputs, stream):
                 return
     _update_compressed_keys_full(raw_k, token_to_req, positions, kc_cache, block_table, partial, block_size,
                                  next_pos, refusals, transform, norm_rope, backend, rows_ordered)
