@@ -130,7 +130,7 @@ def test_a_selection_replay_that_lost_an_input_is_caught(lost):
 
 
 def test_a_scratch_over_the_cap_is_not_recorded(monkeypatch):
-    monkeypatch.setattr(sel, "REPLAY_MAX_SCRATCH_BYTES", 0)
+    monkeypatch.setattr(settings, "REPLAY_MAX_SCRATCH_BYTES", 0)
     for seed in (1, 2):
         case = selection_case(seed)
         assert torch.equal(select(case), select(case, backend="torch"))

@@ -198,6 +198,11 @@ REPLAY_CACHE_BYTES = 512 << 20
 """Device memory the recorded steps of one cache may hold in their plans' buffers (work lists, partials,
 scratch), least recently used dropped first past it; the newest step is kept whatever its size (an
 8192-row grouped plan at W = 2051 holds about 130 MB)."""
+REPLAY_MAX_SCRATCH_BYTES = 64 << 20
+"""Largest score-key scratch (``rows x max_blocks * block_size // 4`` int32) of a
+:func:`qsa.selection.api.select_tokens` call that is recorded for replay: a replay holds its scratch for as
+long as it is cached, so a prefill-sized call (whose binding is a small part of its time anyway) takes the
+full path unrecorded instead of pinning its scratch. Read when a fingerprint is first seen."""
 
 # --- Selection -----------------------------------------------------------------------------------
 

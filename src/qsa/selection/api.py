@@ -356,7 +356,7 @@ def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_l
     launches (scores, invalid pages, top-k), and later calls with that fingerprint replay them with their own pointers
     (:mod:`qsa.attention.replay`): the checks and the binding are not repeated. A recorded step keeps its
     score-key scratch (``rows x max_blocks * block_size // 4`` int32), so calls on one stream reuse it in
-    order; a call whose scratch is over :data:`REPLAY_MAX_SCRATCH_BYTES` is never recorded.
+    order; a call whose scratch is over ``settings.REPLAY_MAX_SCRATCH_BYTES`` is never recorded.
     """
     if type(index_q) is torch.Tensor and type(k) is int and type(block_size) is int \
             and (ctx := replay.context(index_q.device)) is not None:
@@ -384,12 +384,6 @@ def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_l
                                out, backend)
 
 
-REPLAY_MAX_SCRATCH_BYTES = 64 << 20
-"""Largest score-key scratch (``rows x max_blocks * block_size // 4`` int32) of a :func:`select_tokens` call
-that is recorded for replay: a replay holds its scratch for as long as it is cached, so a prefill-sized
-call (whose binding is a small part of its time anyway) takes the full path unrecorded instead of pinning
-its scratch. Read when a fingerprint is first seen."""
-
 _SELECTIONS = replay.ReplayCache()
 """select_tokens' recorded steps, by call fingerprint (each owns its score-key scratch)."""
 
@@ -406,7 +400,7 @@ def _select_tokens_recorded(key, stream, index_q, kc_cache, block_table, token_t
     if replay.shares_pointers(inputs):  # served unrecorded; the fingerprint stays open to distinct tensors
         return result
     step = None
-    if sum(t.numel() * t.element_size() for t in rec.owned) <= REPLAY_MAX_SCRATCH_BYTES:
+    if sum(t.numel() * t.element_size() for t in rec.owned) <= settings.REPLAY_MAX_SCRATCH_BYTES:
         step = replay.replay_of(rec, inputs, [], index_q.device, stream)
     _SELECTIONS.put(key, step)
     return result
