@@ -269,7 +269,7 @@ def test_planner_register_cap_must_be_an_int():
 
 @pytest.mark.parametrize("quads,scan,summary,late,shared_map", [
     (1, 16, True, False, False), slow(2, 32, True, True, False), (32, 1024, True, False, False),
-    (32, 1024, False, False, False), (32, 1024, True, True, False), (1, 32, True, True, True),
+    (32, 1024, False, False, False), (32, 1024, True, True, False), slow(1, 32, True, True, True),
     (32, 1024, True, True, True)])
 def test_planner_whole_quads_over_long_contexts(quads, scan, summary, late, shared_map):
     """Contexts of thousands of tokens, odd rows as select_tokens writes them (whole microblocks, each in

@@ -215,7 +215,7 @@ def split_boundary_case(head_dim=16):
     return case, sorted_idx
 
 
-@pytest.mark.parametrize("splits,qk_halves", [(2, False), (4, False), (2, True)])
+@pytest.mark.parametrize("splits,qk_halves", [slow(2, False), (4, False), (2, True)])
 def test_deferred_check_sees_the_split_boundaries(splits, qk_halves):
     """With the deferred check each split compares its first entry with the last of the split before.
     Rows out of order only across that boundary are sorted by the merge (their scratch rows written, no
@@ -314,7 +314,7 @@ def test_direct_prefetch_rechecks_the_first_tile():
         assert_bitwise(got, run_direct(case, splits=splits), f"prefetch vs none, {splits} splits")
 
 
-@pytest.mark.parametrize("splits", [1, 2, slow(3), 4])
+@pytest.mark.parametrize("splits", [1, 2, slow(3), slow(4)])
 def test_direct_split_entries_resolved_before_the_loop(splits):
     """With ``resolve_split`` each program reads all of its split's tokens and pages before its loop (from
     the row as given, again from the sorted list for rows out of order) and takes each tile's from
