@@ -387,8 +387,14 @@ class Suite:
                 raise
             rec.update(passed=False, error=f"eager / host-cost timing: {_err_text(e)}")
             return
-        pending.append(dict(rec=rec, fn=fn, out=out, checked=checked, timed=timed, plan_run=plan_run,
-                            run_only=run_only, eager=[], host=[], host_run=[], differ=set()))
+        pending.append(self.queued_costs(rec, fn, out, checked, timed, plan_run, run_only))
+
+    @staticmethod
+    def queued_costs(rec: dict, fn, out, checked, timed, plan_run, run_only) -> dict:
+        """One route's entry for :meth:`_eager_costs`: its record, its three calls, its output and the checked
+        one, the graph column's timing, and the samples and differing calls gathered so far."""
+        return dict(rec=rec, fn=fn, out=out, checked=checked, timed=timed, plan_run=plan_run, run_only=run_only,
+                    eager=[], host=[], host_run=[], differ={})
 
     def _eager_costs(self, pending: list) -> None:
         """The eager and host-cost fields of each queued record (see ``benchmarks.host_cost``):
@@ -409,22 +415,24 @@ class Suite:
         rounds = self.EAGER_ROUNDS if timer.is_cuda else 1
         eager_reps = -(-self.eager_reps // rounds)
         host_calls = -(-self.host_calls // rounds)
+        def checked(item, call: str) -> None:  # the output the call left must be the checked one
+            self._sync()
+            if not bool(torch.equal(item["out"], item["checked"])):
+                item["differ"].setdefault(call)
+
         live = list(pending)
         for r in range(rounds):
-            for item in live[r % len(live):] + live[:r % len(live)] if live else []:
+            if not live:
+                break
+            for item in live[r % len(live):] + live[:r % len(live)]:
                 try:
-                    for name, key, timed in (("eager", "fn", timer.is_cuda), ("sparse_paged_attention", "plan_run", True),
-                                             ("run_attention", "run_only", True)):
-                        if not timed:
-                            continue
-                        if key == "fn":
-                            item["eager"] += timer.eager_samples(item["fn"], eager_reps)
-                        else:
-                            item["host" if key == "plan_run" else "host_run"] += timer.host_samples(item[key],
-                                                                                                   host_calls)
-                        self._sync()
-                        if not bool(torch.equal(item["out"], item["checked"])):
-                            item["differ"].add(name)
+                    if timer.is_cuda:
+                        item["eager"] += timer.eager_samples(item["fn"], eager_reps)
+                        checked(item, "eager")
+                    item["host"] += timer.host_samples(item["plan_run"], host_calls)
+                    checked(item, "sparse_paged_attention")
+                    item["host_run"] += timer.host_samples(item["run_only"], host_calls)
+                    checked(item, "run_attention")
                 except Exception as e:
                     if _is_fatal(e):
                         raise
@@ -433,10 +441,9 @@ class Suite:
         for item in live:
             rec = item["rec"]
             if item["differ"]:
-                differ = [name for name in ("eager", "sparse_paged_attention", "run_attention") if name in item["differ"]]
                 rec.update(passed=False, eager_equal=False,
-                           error=f"the output of the {' and '.join(differ)} calls timed for the eager columns "
-                                 "differs from the checked output; not counted")
+                           error=f"the output of the {' and '.join(item['differ'])} calls timed for the eager "
+                                 "columns differs from the checked output; not counted")
                 continue
             if timer.is_cuda:
                 eager = item["eager"]

@@ -321,8 +321,7 @@ def _queued(suite, route, rec, writes):
         f.route = route
         return f
 
-    return dict(rec=rec, fn=call("fn"), out=out, checked=checked, timed=None, plan_run=call("plan_run"),
-                run_only=call("run_only"), eager=[], host=[], host_run=[], differ=set())
+    return suite.queued_costs(rec, call("fn"), out, checked, None, call("plan_run"), call("run_only"))
 
 
 def test_eager_costs_interleave_the_routes_and_check_every_call():
