@@ -116,6 +116,27 @@ def plan_into(case, plan=None, route="auto"):
                               head_dim=16, route=route, out=plan, max_query_len=5)
 
 
+def test_a_plans_input_pointers_are_its_run_inputs_in_their_order():
+    """A replayed run on the GPU takes the plan's inputs as the pointers ``PlanInputs.pointers`` read once:
+    they must be the data pointers of the run's inputs after the activations, in ``RUN_INPUTS`` order
+    (counts included), and a refill's pointers are the new inputs'."""
+    case = case_for("cpu")
+    counts = torch.full((case.q.shape[0],), 20, dtype=torch.int32)
+    c = case.cache
+    plan = qsa.plan_attention(case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens,
+                              block_size=c.block_size, num_blocks=c.num_blocks, num_q_heads=2, num_kv_heads=1,
+                              head_dim=16, index_counts=counts)
+    values = api._run_values(plan, case.q, c.k, c.v, None, case.q, None)
+    assert api.RUN_INPUTS[6:] == api.PlanInputs.NAMES + ("index_counts",)
+    assert plan.inputs.pointers() == tuple(t.data_ptr() for t in values[6:])
+    assert values[6:] == (case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens, counts)
+    other = moved(case, seed=5)
+    plan_into(other, plan)
+    assert plan.inputs.pointers() == (other.indices.data_ptr(), other.block_table.data_ptr(),
+                                      other.token_to_req.data_ptr(), other.positions.data_ptr(),
+                                      other.seq_lens.data_ptr(), 0)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("route", ["auto", "grouped", "xqa", "splitk", "invariant"])
 def test_a_refilled_plan_replays_its_planning_and_its_run(device, route):
@@ -441,6 +462,38 @@ def test_a_cache_counts_the_calls_its_replays_served_not_those_they_refused():
     assert not cache.serve(entry, dict(q=torch.zeros(65)[1:], out=out), stream=0) and cache.hits == 0
     assert cache.serve(entry, dict(q=q, out=out), stream=0) and cache.hits == 1
     assert len(compiled.calls) == 1, "one launch, of the served call"
+
+
+def test_a_launch_takes_its_inputs_in_the_records_order_tensors_or_pointers():
+    """``Replay.launch`` takes the inputs as a tuple in the order of the recorded dict, each a tensor or its
+    data pointer already read (GPU path); an unused input is never read. Known-wrong: the same values in
+    another order launch other pointers."""
+    q, out, unused = torch.zeros(64), torch.zeros(64), torch.zeros(64)
+    kernel, compiled = StandInKernel(["q", "out"]), StandInCompiled()
+    step = replay.Replay(recorded(kernel, compiled, (q, out), {}), dict(unused=unused, q=q, out=out), [], cuda=True)
+    assert step.inputs_order == ("unused", "q", "out")
+    q2, out2 = torch.zeros(64), torch.zeros(64)
+    assert step.launch(("never read", q2, out2.data_ptr()), stream=3)
+    assert step.launch(("never read", out2, q2), stream=3)
+    right, swapped = compiled.calls
+    assert right[9:] == (q2.data_ptr(), out2.data_ptr())
+    assert swapped[9:] != right[9:], "a launch ignored the order of its values"
+
+
+def test_the_last_key_is_answered_without_the_table_and_follows_every_put_and_get():
+    """The entry got or put last answers its key by comparison; another key still finds its own entry, a
+    key never seen the cache itself, and a change of environment drops the remembered one with the rest."""
+    cache = replay.ReplayCache()
+    a, b = Held(1), Held(2)
+    assert cache.get(("a", 1), ()) is cache
+    cache.put(("a", 1), a)
+    cache.put(("b", 1), b)
+    assert cache.get(("b", 1), ()) is b and cache.get(("a", 1), ()) is a
+    assert cache.get(("a", 1), ()) is a and cache.last is a
+    assert cache.get(("a", 2), ()) is cache
+    cache.put(("a", 1), None)  # now unreplayable: its calls take the full path
+    assert cache.get(("a", 1), ()) is None
+    assert cache.get(("a", 1), ("other",)) is cache and cache.last is None
 
 
 @pytest.mark.parametrize("wrong", ["stranger", "keyword", "shared"])

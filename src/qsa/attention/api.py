@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field, fields
 
 import torch
@@ -26,6 +27,9 @@ def _version(t):
         return None if t.is_inference() else t._version
     except (AttributeError, RuntimeError):  # not a tensor, or a tensor subclass without a version counter
         return None
+
+
+_VERSION_OF = operator.attrgetter("_version")
 
 
 @dataclass
@@ -60,6 +64,19 @@ class PlanInputs:
         self.counts_version = _version(self.index_counts)
         if self.counts_version is not None:
             self._tracked.append(("index_counts", self.index_counts, self.counts_version))
+        self._tracked_tensors = tuple(t for _, t, _ in self._tracked)
+        self._tracked_versions = tuple(v for _, _, v in self._tracked)
+        self._pointers = None
+
+    def pointers(self) -> tuple:
+        """The data pointers of ``indices`` .. ``seq_lens`` and ``index_counts`` (0 for None), read once: a
+        replayed run takes them from here (an input that changes in place is refused before, see
+        :meth:`check_unchanged`)."""
+        ptrs = self._pointers
+        if ptrs is None:
+            ptrs = self._pointers = tuple(0 if t is None else t.data_ptr() for t in
+                                          (*self.as_tuple(), self.index_counts))
+        return ptrs
 
     def as_tuple(self) -> tuple:
         return (self.indices, self.block_table, self.token_to_req, self.positions, self.seq_lens)
@@ -75,6 +92,8 @@ class PlanInputs:
 
     def check_unchanged(self) -> None:
         """Raise a ValueError naming the first input changed in place since planning."""
+        if tuple(map(_VERSION_OF, self._tracked_tensors)) == self._tracked_versions:
+            return
         for name, t, v in self._tracked:
             if t._version != v:
                 raise ValueError(
@@ -86,7 +105,9 @@ class PlanInputs:
 def check_forward_only(q, gate=None, k_cache=None, v_cache=None) -> None:
     """qsa has no backward: refuse tensors that require grad while grad mode is on (the output would be
     silently detached)."""
-    if not torch.is_grad_enabled():
+    if not torch.is_grad_enabled() or not (q.requires_grad or (gate is not None and gate.requires_grad)
+                                           or (k_cache is not None and k_cache.requires_grad)
+                                           or (v_cache is not None and v_cache.requires_grad)):
         return
     for name, t in (("q", q), ("gate", gate), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t is not None and t.requires_grad:
@@ -227,8 +248,7 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
             and type(route) in replay.PLAIN \
             and type(max_query_len) in replay.PLAIN and type(rows_sorted) in replay.PLAIN \
             and type(order) in replay.PLAIN and type(kv_cache_dtype) in replay.PLAIN \
-            and type(indices) is torch.Tensor and (ctx := replay.context(indices.device)) is not None:
-        device = indices.device
+            and type(indices) is torch.Tensor and (ctx := replay.context_of(indices)) is not None:
         stream, env = ctx
         try:
             key = (block_size, num_blocks, num_q_heads, num_kv_heads, head_dim, route, order, max_query_len,
@@ -239,8 +259,7 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
             key = None
         if key is not None:
             last = out.plan_replay
-            inputs = dict(indices=indices, block_table=block_table, token_to_req=token_to_req, positions=positions,
-                          seq_lens=seq_lens, index_counts=index_counts)
+            values = (indices, block_table, token_to_req, positions, seq_lens, index_counts)
             if last is not None and last[0] == key and last[1] == env:
                 if last[2] is None:  # a layout whose planning cannot be replayed: the full path, unrecorded
                     _plan_full(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
@@ -248,18 +267,23 @@ def plan_attention(indices, block_table, token_to_req, positions, seq_lens, *, b
                                rows_sorted, kv_cache_dtype, index_counts)
                     out.plan_replay = last
                     return out
-                if last[2](inputs, stream):
+                if last[2].launch(values, stream):
                     out.inputs = PlanInputs(indices, block_table, token_to_req, positions, seq_lens, index_counts)
                     return out
             with replay.Recorder() as rec:
                 _plan_full(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks,
                            num_q_heads, num_kv_heads, head_dim, route, out, workspace, order, max_query_len, rows_sorted,
                            kv_cache_dtype, index_counts)
-            out.plan_replay = (key, env, replay.replay_of(rec, inputs, replay.tensors_of(out, []), device, stream))
+            out.plan_replay = (key, env, replay.replay_of(rec, dict(zip(PLAN_INPUTS, values)), replay.tensors_of(out, []),
+                                                          indices.device, stream))
             return out
     return _plan_full(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks, num_q_heads,
                       num_kv_heads, head_dim, route, out, workspace, order, max_query_len, rows_sorted, kv_cache_dtype,
                       index_counts)
+
+
+PLAN_INPUTS = ("indices", "block_table", "token_to_req", "positions", "seq_lens", "index_counts")
+"""The named inputs of a recorded planning, in the order its replay takes them."""
 
 
 def _plan_full(indices, block_table, token_to_req, positions, seq_lens, block_size, num_blocks, num_q_heads,
@@ -407,11 +431,10 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
     counters still are.
     """
     if type(plan) is AttentionPlan and type(q) is torch.Tensor and plan.routes.route != "reference":
-        device = q.device
         plain = replay.PLAIN
         if type(k_scale) in plain and type(v_scale) in plain and type(softmax_scale) in plain \
                 and type(kv_cache_dtype) in plain and type(return_lse) in plain \
-                and (ctx := replay.context(device)) is not None:
+                and (ctx := replay.context_of(q)) is not None:
             stream, env = ctx
             try:
                 key = (kv_cache_dtype, k_scale, v_scale, softmax_scale, return_lse, out is None, stream,
@@ -425,15 +448,19 @@ def run_attention(plan: AttentionPlan, q, k_cache, v_cache, *, gate=None, kv_cac
                     plan.inputs.check_unchanged()
                     check_forward_only(q, gate, k_cache, v_cache)
                     o, lse = _outputs(q, out, return_lse)
-                    if plan.replays.serve(entry, _run_inputs(plan, q, k_cache, v_cache, gate, o, lse), stream):
+                    if entry.cuda:  # the plan's inputs as pointers read once per plan
+                        values = (q, k_cache, v_cache, gate, o, lse, *plan.inputs.pointers())
+                    else:
+                        values = _run_values(plan, q, k_cache, v_cache, gate, o, lse)
+                    if plan.replays.serve_values(entry, values, stream):
                         return (o, lse) if return_lse else o
                 if entry is plan.replays:
                     with replay.Recorder() as rec:
                         result = _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_scale,
                                               softmax_scale, out, return_lse)
                     o, lse = result if return_lse else (result, None)
-                    plan.replays.put(key, replay.replay_of(rec, _run_inputs(plan, q, k_cache, v_cache, gate, o, lse),
-                                                           replay.tensors_of(plan, []), device, stream))
+                    inputs = dict(zip(RUN_INPUTS, _run_values(plan, q, k_cache, v_cache, gate, o, lse)))
+                    plan.replays.put(key, replay.replay_of(rec, inputs, replay.tensors_of(plan, []), q.device, stream))
                     return result
     return _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_scale, softmax_scale, out,
                         return_lse)
@@ -447,13 +474,18 @@ def _outputs(q, out, return_lse: bool):
     return out, lse
 
 
-def _run_inputs(plan: AttentionPlan, q, k_cache, v_cache, gate, out, lse) -> dict:
-    """A run's named inputs: the activations, the outputs, and the plan's inputs as they are now (a plan
-    refilled into the same buffers by a replayed :func:`plan_attention` holds new ones)."""
+RUN_INPUTS = ("q", "k_cache", "v_cache", "gate", "out", "lse", "indices", "block_table", "token_to_req", "positions",
+              "seq_lens", "index_counts")
+"""The named inputs of a recorded run, in the order its replay takes them (:func:`_run_values`)."""
+
+
+def _run_values(plan: AttentionPlan, q, k_cache, v_cache, gate, out, lse) -> tuple:
+    """A run's inputs in :data:`RUN_INPUTS` order: the activations, the outputs, and the plan's inputs as
+    they are now (a plan refilled into the same buffers by a replayed :func:`plan_attention` holds new
+    ones)."""
     inputs = plan.inputs
-    return dict(q=q, k_cache=k_cache, v_cache=v_cache, gate=gate, out=out, lse=lse, indices=inputs.indices,
-                block_table=inputs.block_table, token_to_req=inputs.token_to_req, positions=inputs.positions,
-                seq_lens=inputs.seq_lens, index_counts=inputs.index_counts)
+    return (q, k_cache, v_cache, gate, out, lse, inputs.indices, inputs.block_table, inputs.token_to_req,
+            inputs.positions, inputs.seq_lens, inputs.index_counts)
 
 
 def _run_checked(plan, q, k_cache, v_cache, gate, kv_cache_dtype, k_scale, v_scale, softmax_scale, out, return_lse,
@@ -599,8 +631,7 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
     if type(q) is torch.Tensor and type(k_scale) in plain and type(v_scale) in plain and type(softmax_scale) in plain \
             and type(max_query_len) in plain and type(route) in plain and type(rows_sorted) in plain \
             and type(kv_cache_dtype) in plain and type(return_lse) in plain \
-            and (ctx := replay.context(q.device)) is not None:
-        device = q.device
+            and (ctx := replay.context_of(q)) is not None:
         stream, env = ctx
         try:
             key = (route, max_query_len, rows_sorted, kv_cache_dtype, k_scale, v_scale, softmax_scale, return_lse,
@@ -615,18 +646,16 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
             if entry is not None and entry is not _STEPS:
                 check_forward_only(q, gate, k_cache, v_cache)
                 o, lse = _outputs(q, out, return_lse)
-                inputs_now = dict(q=q, k_cache=k_cache, v_cache=v_cache, indices=indices, block_table=block_table,
-                                  token_to_req=token_to_req, positions=positions, seq_lens=seq_lens, gate=gate,
-                                  out=o, lse=lse, index_counts=index_counts)
-                if _STEPS.serve(entry, inputs_now, stream):
+                if _STEPS.serve_values(entry, (q, k_cache, v_cache, indices, block_table, token_to_req, positions,
+                                               seq_lens, gate, o, lse, index_counts), stream):
                     return (o, lse) if return_lse else o
             elif entry is _STEPS:
-                inputs = (key, device, stream)
+                inputs = (key, stream)
     if inputs is None:
         return _plan_and_run(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, gate,
                              kv_cache_dtype, k_scale, v_scale, softmax_scale, out, return_lse, route, max_query_len,
                              rows_sorted, index_counts)
-    key, device, stream = inputs
+    key, stream = inputs
     with replay.Recorder() as rec:
         plan, result = _plan_and_run(q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens,
                                      gate, kv_cache_dtype, k_scale, v_scale, softmax_scale, out, return_lse, route,
@@ -634,13 +663,16 @@ def sparse_paged_attention(q, k_cache, v_cache, indices, block_table, token_to_r
     o, lse = result if return_lse else (result, None)
     step = None
     if plan.routes.route != "reference":
-        step = replay.replay_of(rec, dict(q=q, k_cache=k_cache, v_cache=v_cache, indices=indices, block_table=block_table,
-                                          token_to_req=token_to_req, positions=positions, seq_lens=seq_lens, gate=gate,
-                                          out=o, lse=lse, index_counts=index_counts),
-                                replay.tensors_of(plan, []), device, stream)
+        values = (q, k_cache, v_cache, indices, block_table, token_to_req, positions, seq_lens, gate, o, lse,
+                  index_counts)
+        step = replay.replay_of(rec, dict(zip(STEP_INPUTS, values)), replay.tensors_of(plan, []), q.device, stream)
     _STEPS.put(key, step)
     return result
 
+
+STEP_INPUTS = ("q", "k_cache", "v_cache", "indices", "block_table", "token_to_req", "positions", "seq_lens", "gate",
+               "out", "lse", "index_counts")
+"""The named inputs of a recorded :func:`sparse_paged_attention` call, in the order its replay takes them."""
 
 _STEPS = replay.ReplayCache()
 """sparse_paged_attention's recorded steps, by call fingerprint (each owns its plan's buffers)."""

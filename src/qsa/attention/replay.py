@@ -159,6 +159,7 @@ class Replay:
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in keep}
         self.nbytes = sum(storages.values())  # the device memory the replay holds
         self.cuda = cuda
+        self.inputs_order = tuple(inputs)  # the order of :meth:`launch`'s values
         self.aligned = set()  # inputs whose pointer a compiled kernel takes as 16-byte aligned
         self.names = set()
         self.steps = []
@@ -204,12 +205,16 @@ class Replay:
         self._gather()
 
     def _gather(self) -> None:
-        """Prepare the GPU path's launches for :meth:`__call__`: each launch's arguments are picked in one C
-        call (``operator.itemgetter``) from one list, the inputs' pointers (in :attr:`order`), the stream,
-        then every launch's recorded arguments."""
+        """Prepare :meth:`launch`: where each input the launches read sits among its values
+        (:attr:`inputs_order`), and on the GPU path each launch's arguments picked in one C call
+        (``operator.itemgetter``) from one list, the inputs' pointers (in :attr:`order`), the stream, then
+        every launch's recorded arguments."""
+        self.order = tuple(sorted(self.names))
+        at = {name: j for j, name in enumerate(self.inputs_order)}
+        self.at = at
+        self.pick = _picker([at[name] for name in self.order])
         if not self.cuda:
             return
-        self.order = tuple(sorted(self.names))
         where = {name: j for j, name in enumerate(self.order)}
         self.aligned_at = tuple(where[name] for name in self.order if name in self.aligned)
         self.fixed = []
@@ -245,21 +250,28 @@ class Replay:
         self._gather()
 
     def __call__(self, inputs: dict, stream: int) -> bool:
-        """Launch the step on ``inputs`` (name -> tensor); False, launching nothing, where an input's
-        alignment differs from what the compiled kernels assume."""
+        """Launch the step on ``inputs`` (name -> tensor or None, every name the record had); False,
+        launching nothing, where an input's alignment differs from what the compiled kernels assume."""
+        return self.launch(tuple(map(inputs.__getitem__, self.inputs_order)), stream)
+
+    def launch(self, values: tuple, stream: int) -> bool:
+        """:meth:`__call__` with the inputs as a tuple in the order of the record's (:attr:`inputs_order`),
+        which spares the caller a dict. On the GPU path a value may also be an int, the input's data pointer
+        read earlier (a caller that holds it spares the read)."""
         if self.cuda:
-            values = [inputs[name].data_ptr() for name in self.order]
+            ptrs = [t if t.__class__ is int else t.data_ptr() for t in self.pick(values)]
             for j in self.aligned_at:
-                if values[j] & 15:
+                if ptrs[j] & 15:
                     return False
-            values.append(stream)
-            values += self.fixed
+            ptrs.append(stream)
+            ptrs += self.fixed
             for call, pick in self.calls:
                 if call is None:
                     pick.zero_()  # a buffer the step owns, zeroed before the launches that count into it
                 else:
-                    call(*pick(values))
+                    call(*pick(ptrs))
             return True
+        at = self.at
         for step in self.steps:
             if step[0] == "zero":
                 step[1].zero_()
@@ -267,10 +279,21 @@ class Replay:
             L = step[1]
             args = L.template.copy()
             for i, name, dtype in L.slots:
-                t = inputs[name]
+                t = values[at[name]]
                 args[i] = t if t.dtype == dtype else t.view(dtype)
             L.kernel[L.grid](*args, **L.kwargs)
         return True
+
+
+def _picker(positions: list):
+    """A function taking a tuple to the tuple of its items at ``positions`` (one C call where there are
+    two or more)."""
+    if len(positions) >= 2:
+        return operator.itemgetter(*positions)
+    if positions:
+        j = positions[0]
+        return lambda values: (values[j],)
+    return lambda values: ()
 
 
 def replay_of(rec: Recorder, inputs: dict, keep: list, device: torch.device, stream: int) -> Replay | None:
@@ -338,6 +361,23 @@ def context(device: torch.device) -> tuple[int, tuple] | None:
     return stream, environment(variables)
 
 
+def context_of(t: torch.Tensor) -> tuple[int, tuple] | None:
+    """:func:`context` of a call on ``t``'s device, read from the tensor without making a
+    ``torch.device``."""
+    if not settings.REPLAY_STEPS or getattr(_local, "recorder", None) is not None:
+        return None
+    variables = _variables()
+    if variables[0] not in utils.OFF_VALUES or not t.is_cuda:
+        return context(t.device)
+    if torch._C._cuda_isCurrentStreamCapturing():
+        return None
+    runtime = _triton_runtime()
+    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
+    if (enter is not None and getattr(enter, "calls", True)) or (leave is not None and getattr(leave, "calls", True)):
+        return None  # a hook is set (see _unhooked)
+    return torch._C._cuda_getCurrentRawStream(t.get_device()), environment(variables)
+
+
 def _unhooked(hook) -> bool:
     """Whether a Triton launch hook is unset: None, or a hook chain with no calls (Triton 3.6)."""
     return hook is None or not getattr(hook, "calls", True)
@@ -356,13 +396,17 @@ class ReplayCache:
     """Replays by fingerprint, the least recently used dropped past ``settings.REPLAY_CACHE_SIZE`` entries
     or past ``settings.REPLAY_CACHE_BYTES`` of buffers held (the newest is always kept); a key that could
     not be replayed maps to None (its calls take the full path without recording again). ``hits`` counts
-    the calls a replay served (:meth:`serve`), not those it refused."""
+    the calls a replay served (:meth:`serve`), not those it refused.
+
+    The entry got or put last is also held beside the table: a call with its key (the usual case, one
+    layout called again and again) is answered by comparing the two keys, without hashing the new one."""
 
     def __init__(self):
         self.entries = OrderedDict()
         self.env = None
         self.hits = 0
         self.nbytes = 0
+        self.last_key = self.last = None
 
     def get(self, key, env: tuple):
         """The entry of ``key`` (a Replay, or None), or the cache itself where ``key`` was never seen;
@@ -370,9 +414,12 @@ class ReplayCache:
         if env != self.env:
             self.clear()
             self.env = env
+        elif key == self.last_key:
+            return self.last  # already the most recently used
         entry = self.entries.get(key, self)
         if entry is not self:
             self.entries.move_to_end(key)
+            self.last_key, self.last = key, entry
         return entry  # self: never seen
 
     def serve(self, entry, inputs: dict, stream: int) -> bool:
@@ -384,11 +431,19 @@ class ReplayCache:
             return True
         return False
 
+    def serve_values(self, entry, values: tuple, stream: int) -> bool:
+        """:meth:`serve` with the inputs as a tuple in the record's order (:meth:`Replay.launch`)."""
+        if entry.launch(values, stream):
+            self.hits += 1
+            return True
+        return False
+
     def put(self, key, replay) -> None:
         old = self.entries.pop(key, None)
         self.nbytes -= getattr(old, "nbytes", 0)
         self.entries[key] = replay
         self.nbytes += getattr(replay, "nbytes", 0)
+        self.last_key, self.last = key, replay
         while len(self.entries) > 1 and (len(self.entries) > settings.REPLAY_CACHE_SIZE
                                          or self.nbytes > settings.REPLAY_CACHE_BYTES):
             _, dropped = self.entries.popitem(last=False)
@@ -398,3 +453,4 @@ class ReplayCache:
         self.entries.clear()
         self.hits = 0
         self.nbytes = 0
+        self.last_key = self.last = None
