@@ -480,6 +480,18 @@ def test_a_launch_takes_its_inputs_in_the_records_order_tensors_or_pointers():
     assert swapped[9:] != right[9:], "a launch ignored the order of its values"
 
 
+def test_a_tensors_context_is_its_devices(monkeypatch):
+    """``context_of(t)`` answers as ``context(t.device)``: on the interpreter's CPU (stream 0 and the
+    environment), and None with replays off or inside a recording."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    t = torch.zeros(4)
+    assert replay.context_of(t) == replay.context(t.device) == (0, replay.environment())
+    with replay.Recorder():
+        assert replay.context_of(t) is None
+    monkeypatch.setattr(settings, "REPLAY_STEPS", False)
+    assert replay.context_of(t) is None and replay.context(t.device) is None
+
+
 def test_the_last_key_is_answered_without_the_table_and_follows_every_put_and_get():
     """The entry got or put last answers its key by comparison; another key still finds its own entry, a
     key never seen the cache itself, and a change of environment drops the remembered one with the rest."""
