@@ -610,6 +610,36 @@ def test_self_aliasing_request_counts_both_copies(route):
     check_route(case, route)
 
 
+def test_auto_groups_fewer_rows_over_short_contexts_than_over_long_ones(monkeypatch):
+    """Over a block table spanning ``GROUPED_LONG_CONTEXT`` tokens or more, auto groups only from
+    ``GROUPED_MIN_ROWS_LONG`` rows (xqa below, one request or not); shorter tables, and calls that do not
+    say the span, group from ``GROUPED_MIN_ROWS``; plan_attention passes the table's span (at lowered
+    thresholds, 16 rows are grouped over a table one token short of a long context, not over a long one)."""
+    choose, s = qsa.attention.routing.choose, qsa.settings
+    shape = dict(G=6, head_dim=256, device=torch.device("cpu"))
+    rows = s.GROUPED_MIN_ROWS_LONG - 71  # 185 rows at the shipped settings
+    assert s.GROUPED_MIN_ROWS <= rows < s.GROUPED_MIN_ROWS_LONG
+    for mql in (None, rows):
+        long = choose("auto", rows=rows, max_query_len=mql, context_tokens=s.GROUPED_LONG_CONTEXT, **shape)
+        assert (long.route, long.grouped_rows) == ("xqa", 0)
+        short = choose("auto", rows=rows, max_query_len=mql, context_tokens=s.GROUPED_LONG_CONTEXT - 1, **shape)
+        assert short.route == "grouped" and short.grouped_rows == (rows if mql else rows // 8 * 8)
+        assert choose("auto", rows=rows, max_query_len=mql, **shape).route == "grouped"
+    many = choose("auto", rows=s.GROUPED_MIN_ROWS_LONG, context_tokens=4 * s.GROUPED_LONG_CONTEXT, **shape)
+    assert many.route == "grouped" and many.grouped_rows == s.GROUPED_MIN_ROWS_LONG
+    assert choose("grouped", rows=rows, context_tokens=s.GROUPED_LONG_CONTEXT, **shape).grouped_rows == rows
+    monkeypatch.setattr(s, "GROUPED_MIN_ROWS", 8)
+    monkeypatch.setattr(s, "GROUPED_MIN_ROWS_LONG", 32)
+    case = make_attention_case(rows=16, num_reqs=2, num_q_heads=2, num_kv_heads=1, head_dim=16, width=12, seed=7)
+    span = case.block_table.shape[1] * 16
+    for long_context, grouped in ((span + 1, 16), (span, 0)):
+        monkeypatch.setattr(s, "GROUPED_LONG_CONTEXT", long_context)
+        plan = qsa.plan_attention(case.indices, case.block_table, case.token_to_req, case.positions, case.seq_lens,
+                                  block_size=16, num_blocks=case.cache.num_blocks, num_q_heads=2, num_kv_heads=1,
+                                  head_dim=16)
+        assert plan.routes.grouped_rows == grouped, (long_context, plan.routes)
+
+
 def test_auto_sends_a_decode_batch_to_xqa(monkeypatch):
     """One row per request (max_query_len=1): auto plans no groups, even at ``GROUPED_MIN_ROWS`` rows or
     more (the shipped 64 in the route choice; the plans and runs at the threshold lowered to 16 rows, two

@@ -111,6 +111,12 @@ GROUP_ROWS = 8
 """Adjacent rows per group of the grouped route (their K/V microblocks are loaded once for all)."""
 GROUPED_MIN_ROWS = 64
 """Fewest rows for which ``auto`` takes the grouped route (below, xqa)."""
+GROUPED_LONG_CONTEXT = 16384
+"""Block tables spanning at least this many tokens (``max_blocks * block_size``) are long contexts, where
+``auto`` groups only from ``GROUPED_MIN_ROWS_LONG`` rows."""
+GROUPED_MIN_ROWS_LONG = 256
+"""Fewest rows for which ``auto`` takes the grouped route over a long context (below, xqa): there a group's
+union of selected tokens is wider and its planner scans more of the table, which a few groups do not repay."""
 
 # --- Split counts --------------------------------------------------------------------------------
 

@@ -304,7 +304,7 @@ def _plan_full(indices, block_table, token_to_req, positions, seq_lens, block_si
                       num_blocks=num_blocks, index_counts=index_counts)
     choice = routing.choose(route, rows=indices.shape[0], G=num_q_heads // num_kv_heads, head_dim=head_dim,
                            device=indices.device, max_query_len=max_query_len, rows_sorted=rows_sorted,
-                           index_width=indices.shape[1])
+                           index_width=indices.shape[1], context_tokens=block_table.shape[1] * block_size)
     single = grouped = tokens = counts = None
     if choice.route in ("grouped", "xqa"):
         if choice.grouped_rows:

@@ -12,7 +12,8 @@ Routes:
 * ``reference`` -- the pure PyTorch reference (CPU without the Triton interpreter, or on request).
 
 ``auto`` sends ``rows // GROUP_ROWS * GROUP_ROWS`` rows to ``grouped`` when there are at least
-``settings.GROUPED_MIN_ROWS`` rows, the shape is supported and the batch is not known to be pure decode (one row
+``settings.GROUPED_MIN_ROWS`` rows (``settings.GROUPED_MIN_ROWS_LONG`` where the block table spans at least
+``settings.GROUPED_LONG_CONTEXT`` tokens), the shape is supported and the batch is not known to be pure decode (one row
 per request), the remaining rows to ``xqa``; all rows to ``grouped`` when they are known to be one request's
 (``max_query_len >= rows``: the last, partial group shares that request's tokens too, and costs no launch of
 its own, where the leftover rows of a mixed batch may be decode rows of other requests, which xqa splits
@@ -81,7 +82,7 @@ def max_query_len_of(token_to_req) -> int | None:
 
 def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device,
            max_query_len: int | None = None, rows_sorted: bool = False,
-           index_width: int | None = None) -> RoutePlan:
+           index_width: int | None = None, context_tokens: int | None = None) -> RoutePlan:
     """Admission: map a requested route to the rows each kernel takes.
 
     ``max_query_len`` is the most rows any one request has in the batch, when the caller knows it (a
@@ -90,6 +91,10 @@ def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device
 
     ``rows_sorted`` (with ``index_width``, the columns of ``indices``) lets xqa rows take the direct
     kernel (see the module docstring); it changes which kernel runs, and no bit of a row of whole blocks.
+
+    ``context_tokens`` is the span of the block table (``max_blocks * block_size``, None: not known): from
+    ``settings.GROUPED_LONG_CONTEXT`` tokens ``auto`` groups only from ``settings.GROUPED_MIN_ROWS_LONG``
+    rows.
 
     A forced route that cannot run raises ValueError; ``auto`` falls back and logs why once.
     """
@@ -128,7 +133,9 @@ def choose(route: str, *, rows: int, G: int, head_dim: int, device: torch.device
     elif refusal is not None:
         backend.log_once(f"qsa: route 'auto' takes splitk, not the page4 routes (grouped, xqa): {refusal}")
         return RoutePlan("splitk", 0)
-    elif rows < settings.GROUPED_MIN_ROWS or max_query_len == 1:
+    elif rows < settings.GROUPED_MIN_ROWS or max_query_len == 1 or (
+            context_tokens is not None and context_tokens >= settings.GROUPED_LONG_CONTEXT
+            and rows < settings.GROUPED_MIN_ROWS_LONG):
         route, grouped_rows = "xqa", 0
     elif max_query_len is not None and max_query_len >= rows:  # one request: its last group may be partial
         route, grouped_rows = "grouped", rows

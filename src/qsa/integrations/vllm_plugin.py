@@ -120,7 +120,7 @@ def _serving(adapter, original):
     def qsa_sparse_paged_attention(q, k_cache, v_cache, logical_indices, block_table, token_to_req,
                                    use_prefill_config, out=None, k_scale=None, v_scale=None, *, output_gate):
         if not _first_call_logged:
-            _log_first_call(q, k_cache, logical_indices, use_prefill_config)
+            _log_first_call(q, k_cache, logical_indices, block_table, use_prefill_config)
         return adapter(q, k_cache, v_cache, logical_indices, block_table, token_to_req, use_prefill_config, out,
                        k_scale, v_scale, output_gate=output_gate)
 
@@ -134,7 +134,7 @@ def _serving(adapter, original):
     return qsa_sparse_paged_attention
 
 
-def _log_first_call(q, k_cache, logical_indices, use_prefill_config) -> None:
+def _log_first_call(q, k_cache, logical_indices, block_table, use_prefill_config) -> None:
     """Once per process: qsa serves the op, its version, and the route ``auto`` takes for this call."""
     global _first_call_logged
     with _lock:
@@ -144,7 +144,7 @@ def _log_first_call(q, k_cache, logical_indices, use_prefill_config) -> None:
     from .. import __version__
 
     try:
-        route = _route_of(q, k_cache, logical_indices, use_prefill_config)
+        route = _route_of(q, k_cache, logical_indices, block_table, use_prefill_config)
     except Exception as e:  # noqa: BLE001 - the notice must never fail the call; the call reports bad input
         route = f"not known ({type(e).__name__})"
     logger.info("qsa %s serves vLLM's QSA attention op (%s.%s, %s=1, pid %d); its first call, %d rows, "
@@ -152,14 +152,14 @@ def _log_first_call(q, k_cache, logical_indices, use_prefill_config) -> None:
                 OP_MODULE, OP_NAME, ENV_VAR, os.getpid(), q.shape[0], use_prefill_config, route)
 
 
-def _route_of(q, k_cache, logical_indices, use_prefill_config) -> str:
+def _route_of(q, k_cache, logical_indices, block_table, use_prefill_config) -> str:
     """The route qsa's ``auto`` takes for a call with the hints the drop-in passes."""
     from ..attention.routing import choose
 
     rows, hq, d = q.shape
     rp = choose("auto", rows=rows, G=max(hq // max(k_cache.shape[2], 1), 1), head_dim=d, device=q.device,
                 max_query_len=None if use_prefill_config else 1, rows_sorted=True,
-                index_width=logical_indices.shape[1] - 1)
+                index_width=logical_indices.shape[1] - 1, context_tokens=block_table.shape[1] * k_cache.shape[1])
     if rp.route == "grouped" and 0 < rp.grouped_rows < rows:
         return f"grouped ({rp.grouped_rows} rows) + xqa ({rows - rp.grouped_rows} rows{', direct' if rp.direct else ''})"
     return rp.route + (" (direct)" if rp.route == "xqa" and rp.direct else "")
