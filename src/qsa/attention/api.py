@@ -23,6 +23,8 @@ ACT_DTYPES = (torch.float16, torch.bfloat16)
 def _version(t):
     """``t``'s version counter (bumped by every in-place torch op on it or on a view of its storage), or
     None for tensors that have none (created under ``torch.inference_mode()``) or are not tensors."""
+    if t is None:
+        return None
     try:
         return None if t.is_inference() else t._version
     except (AttributeError, RuntimeError):  # not a tensor, or a tensor subclass without a version counter
@@ -57,15 +59,14 @@ class PlanInputs:
     NAMES = ("indices", "block_table", "token_to_req", "positions", "seq_lens")
 
     def __post_init__(self):
-        tensors = (self.indices, self.block_table, self.token_to_req, self.positions, self.seq_lens)
-        self.versions = versions = (_version(tensors[0]), _version(tensors[1]), _version(tensors[2]),
-                                    _version(tensors[3]), _version(tensors[4]))
-        self._tracked = [(name, t, v) for name, t, v in zip(self.NAMES, tensors, versions) if v is not None]
-        self.counts_version = _version(self.index_counts)
-        if self.counts_version is not None:
-            self._tracked.append(("index_counts", self.index_counts, self.counts_version))
-        self._tracked_tensors = tuple(t for _, t, _ in self._tracked)
-        self._tracked_versions = tuple(v for _, _, v in self._tracked)
+        tensors = (self.indices, self.block_table, self.token_to_req, self.positions, self.seq_lens,
+                   self.index_counts)
+        versions = tuple(map(_version, tensors))
+        self.versions, self.counts_version = versions[:5], versions[5]
+        if versions[5] is None or None in versions[:5]:  # track those that have a counter
+            keep = [i for i, v in enumerate(versions) if v is not None]
+            tensors, versions = tuple(tensors[i] for i in keep), tuple(versions[i] for i in keep)
+        self._tracked_tensors, self._tracked_versions = tensors, versions
         self._pointers = None
 
     def pointers(self) -> tuple:
@@ -94,8 +95,10 @@ class PlanInputs:
         """Raise a ValueError naming the first input changed in place since planning."""
         if tuple(map(_VERSION_OF, self._tracked_tensors)) == self._tracked_versions:
             return
-        for name, t, v in self._tracked:
+        names = {id(t): name for name, t in zip((*self.NAMES, "index_counts"), (*self.as_tuple(), self.index_counts))}
+        for t, v in zip(self._tracked_tensors, self._tracked_versions):
             if t._version != v:
+                name = names[id(t)]
                 raise ValueError(
                     f"the plan's {name} was modified in place after plan_attention built the plan (version "
                     f"{v} -> {t._version}): its work lists no longer match; plan again with "
