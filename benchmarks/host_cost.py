@@ -8,6 +8,13 @@ prefill) at the chosen head shapes and dtypes, and each route the step can take,
 * ``eager_ms`` / ``graph_ms``: one eager call (L2 flushed, device idle before it) and one CUDA-graph replay
   of the same call;
 
+with ``--split``, where a replayed call's host time goes:
+
+* ``plan_run_py_us`` / ``run_py_us``: the same calls with the replays' launches left out (the fingerprint,
+  the checks, the outputs: what surrounds the launches);
+* ``run_launches_us``: the launches of a run's replay alone, with their pointers, and ``run_launches``, how
+  many there are;
+
 and with ``--profile``, a cProfile of ``--calls`` calls of the first step, the functions that take the host
 time, written as text::
 
@@ -73,14 +80,37 @@ def calls_of(scn, w, route, out=None):
     def run():
         qsa.run_attention(plan, w.q, cache.k, cache.v, out=out, **w.cache_kwargs)
 
+    run.plan = plan
     return plan_run, run
+
+
+def split_costs(timer, plan_run, run, plan, w, out, calls: int) -> dict:
+    """Where the host time of a replayed call goes (see the module docstring), for ``plan_run`` and ``run``
+    from :func:`calls_of` (``run`` on ``plan``, writing ``out``); empty where the run is not replayed."""
+    from qsa.attention import api, replay
+
+    plan_run(), run()
+    entry, ctx = plan.replays.last, replay.context_of(w.q)
+    if not isinstance(entry, replay.Replay) or ctx is None:
+        return {}
+    served = replay.ReplayCache.serve, replay.ReplayCache.serve_values
+    try:  # the replays' launches left out: a served call returns as soon as it has its inputs
+        replay.ReplayCache.serve = replay.ReplayCache.serve_values = lambda self, entry, inputs, stream: True
+        rec = dict(plan_run_py_us=round(timer.host_us(plan_run, calls), 2), run_py_us=round(timer.host_us(run, calls), 2))
+    finally:
+        replay.ReplayCache.serve, replay.ReplayCache.serve_values = served
+    values = api._run_values(plan, w.q, w.cache.k, w.cache.v, None, out, None)
+    stream = ctx[0]
+    rec["run_launches_us"] = round(timer.host_us(lambda: entry.launch(values, stream), calls), 2)
+    rec["run_launches"] = sum(1 for step in entry.steps if step[0] == "launch")
+    return rec
 
 
 def admits(scn, route: str) -> bool:
     return route == "auto" or route in scn.routes
 
 
-def measure(scenarios, device, calls: int, routes=ROUTES, log=None, after=None) -> dict:
+def measure(scenarios, device, calls: int, routes=ROUTES, log=None, after=None, split: bool = False) -> dict:
     import torch
 
     from .generators import attention_workload
@@ -95,9 +125,12 @@ def measure(scenarios, device, calls: int, routes=ROUTES, log=None, after=None) 
             if not admits(scn, route):
                 continue
             try:
-                plan_run, run = calls_of(scn, w, route)
+                out = torch.empty_like(w.q)
+                plan_run, run = calls_of(scn, w, route, out)
                 rec = dict(plan_run_us=round(timer.host_us(plan_run, calls), 2),
                            run_us=round(timer.host_us(run, calls), 2))
+                if split:
+                    rec.update(split_costs(timer, plan_run, run, run.plan, w, out, calls))
                 if timer.is_cuda:
                     rec["eager_ms"] = round(timer.time_eager(plan_run).median_ms, 5)
                     rec["graph_ms"] = round(timer.time(plan_run).median_ms, 5)
@@ -148,6 +181,8 @@ def main(argv=None) -> int:
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--out", type=Path)
     p.add_argument("--profile", type=Path, help="write a cProfile of the first step's auto call here")
+    p.add_argument("--split", action="store_true",
+                   help="also time each call with the replays' launches left out, and a run's launches alone")
     p.add_argument("--device", default="auto")
     p.add_argument("--replay", action=argparse.BooleanOptionalAction, default=None,
                    help="eager calls replay their recorded launches, or (--no-replay) take the full path "
@@ -173,7 +208,7 @@ def main(argv=None) -> int:
         if args.out is not None:
             args.out.write_text(json.dumps(dict(device=name, host_cost=table), indent=1) + "\n")
 
-    measure(scenarios, device, args.calls, routes=args.routes, log=sys.stderr, after=write)
+    measure(scenarios, device, args.calls, routes=args.routes, log=sys.stderr, after=write, split=args.split)
     return 0
 
 

@@ -1012,3 +1012,42 @@ def test_ab_extracts_a_commits_source(tmp_path):
     assert os.path.isfile(os.path.join(src, "qsa", "attention", "xqa", "kernel.py"))
     with pytest.raises(subprocess.CalledProcessError):
         ab.extract("no-such-revision", str(tmp_path / "x"))
+
+
+def test_host_cost_split_times_the_calls_without_their_launches_and_the_launches_alone(monkeypatch):
+    """``host_cost --split`` on the interpreter (replays on): the stubbed calls launch nothing (their output
+    keeps its NaN), the launches alone write the full path's bits, and the count is the replay's launches.
+    Known-wrong: with replays off there is nothing to split (an empty record, not figures of the full path)."""
+    from benchmarks import host_cost, registry
+    from benchmarks.generators import attention_workload
+    from benchmarks.timing import Timer
+    from qsa import settings
+    from qsa.attention import replay
+
+    monkeypatch.setattr(replay, "ON_INTERPRETER", True)
+    monkeypatch.setattr(settings, "REPLAY_STEPS", True)
+    scn = registry.BY_NAME["tiny-decode"]
+    w = attention_workload(scn, "cpu")
+    out = torch.full_like(w.q, float("nan"))
+    plan_run, run = host_cost.calls_of(scn, w, "xqa", out)
+    rec = host_cost.split_costs(Timer("cpu"), plan_run, run, run.plan, w, out, calls=2)
+    assert set(rec) == {"plan_run_py_us", "run_py_us", "run_launches_us", "run_launches"}
+    assert rec["run_launches"] >= 1 and all(v > 0 for v in rec.values())
+    expected = out.clone()
+    assert not expected.isnan().any()
+    out.fill_(float("nan"))
+    monkeypatch.setattr(replay.ReplayCache, "serve_values", lambda self, entry, values, stream: True)
+    run()
+    assert out.isnan().all(), "a stubbed run launched"
+    monkeypatch.undo()
+    monkeypatch.setattr(replay, "ON_INTERPRETER", True)
+    run.plan.replays.last.launch(host_cost_values(run.plan, w, out), 0)
+    assert torch.equal(out, expected)
+    monkeypatch.setattr(settings, "REPLAY_STEPS", False)
+    assert host_cost.split_costs(Timer("cpu"), plan_run, run, run.plan, w, out, calls=2) == {}
+
+
+def host_cost_values(plan, w, out):
+    from qsa.attention import api
+
+    return api._run_values(plan, w.q, w.cache.k, w.cache.v, None, out, None)
