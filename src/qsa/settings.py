@@ -115,8 +115,8 @@ GROUPED_LONG_CONTEXT = 16384
 """Block tables spanning at least this many tokens (``max_blocks * block_size``) are long contexts, where
 ``auto`` groups only from ``GROUPED_MIN_ROWS_LONG`` rows."""
 GROUPED_MIN_ROWS_LONG = 256
-"""Fewest rows for which ``auto`` takes the grouped route over a long context (below, xqa): there a group's
-union of selected tokens is wider and its planner scans more of the table, which a few groups do not repay."""
+"""Fewest rows for which ``auto`` takes the grouped route over a long context (below, xqa): a few groups
+over a long table pay the grouped planner and a wider union per group; ``docs/tuning.md`` says what set it."""
 
 # --- Split counts --------------------------------------------------------------------------------
 
