@@ -325,7 +325,7 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     where they are, not only on their layout).
     """
     if type(k_cache) is torch.Tensor and type(kv_cache_dtype) is str and type(k_scale) in _SCALE_TYPES \
-            and type(v_scale) in _SCALE_TYPES and (ctx := replay.context(k_cache.device)) is not None:
+            and type(v_scale) in _SCALE_TYPES and (ctx := replay.context_of(k_cache)) is not None:
         stream, env = ctx
         try:
             key = (kv_cache_dtype, k_scale, v_scale, backends.resolve_backend(backend, k_cache.device), stream,

@@ -167,7 +167,7 @@ def norm_rope(q: torch.Tensor, q_weight: torch.Tensor, k: torch.Tensor, k_weight
     records its launch, and later calls with that fingerprint replay it with their own pointers
     (:mod:`qsa.attention.replay`): the checks and the binding are not repeated.
     """
-    if type(q) is torch.Tensor and type(eps) is float and (ctx := replay.context(q.device)) is not None:
+    if type(q) is torch.Tensor and type(eps) is float and (ctx := replay.context_of(q)) is not None:
         stream, env = ctx
         tensors = (q, k, iq, q_weight, k_weight, iq_weight, cos, sin, icos, isin)
         try:

@@ -359,7 +359,7 @@ def select_tokens(index_q, kc_cache, block_table, token_to_req, positions, seq_l
     order; a call whose scratch is over ``settings.REPLAY_MAX_SCRATCH_BYTES`` is never recorded.
     """
     if type(index_q) is torch.Tensor and type(k) is int and type(block_size) is int \
-            and (ctx := replay.context(index_q.device)) is not None:
+            and (ctx := replay.context_of(index_q)) is not None:
         stream, env = ctx
         try:
             key = (k, block_size, backends.resolve_backend(backend, index_q.device), stream,
@@ -578,7 +578,7 @@ def update_compressed_keys(raw_k, token_to_req, positions, kc_cache, block_table
     if rows_ordered is True and transform is None and type(raw_k) is torch.Tensor and type(block_size) is int \
             and (norm_rope is None or (type(norm_rope) is tuple and len(norm_rope) == 4
                                        and type(norm_rope[1]) in replay.PLAIN)) \
-            and (ctx := replay.context(raw_k.device)) is not None \
+            and (ctx := replay.context_of(raw_k)) is not None \
             and (next_pos is None or not _refuses_at_once("triton", raw_k.device)):
         stream, env = ctx
         weight, eps, cos, sin = (None, None, None, None) if norm_rope is None else norm_rope
