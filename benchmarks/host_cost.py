@@ -84,12 +84,13 @@ def calls_of(scn, w, route, out=None):
     return plan_run, run
 
 
-def split_costs(timer, plan_run, run, plan, w, out, calls: int) -> dict:
+def split_costs(timer, plan_run, run, w, out, calls: int) -> dict:
     """Where the host time of a replayed call goes (see the module docstring), for ``plan_run`` and ``run``
-    from :func:`calls_of` (``run`` on ``plan``, writing ``out``); empty where the run is not replayed."""
+    from :func:`calls_of` (both writing ``out``); empty where the run is not replayed."""
     from qsa.attention import api, replay
 
     plan_run(), run()
+    plan = run.plan
     entry, ctx = plan.replays.last, replay.context_of(w.q)
     if not isinstance(entry, replay.Replay) or ctx is None:
         return {}
@@ -130,7 +131,7 @@ def measure(scenarios, device, calls: int, routes=ROUTES, log=None, after=None, 
                 rec = dict(plan_run_us=round(timer.host_us(plan_run, calls), 2),
                            run_us=round(timer.host_us(run, calls), 2))
                 if split:
-                    rec.update(split_costs(timer, plan_run, run, run.plan, w, out, calls))
+                    rec.update(split_costs(timer, plan_run, run, w, out, calls))
                 if timer.is_cuda:
                     rec["eager_ms"] = round(timer.time_eager(plan_run).median_ms, 5)
                     rec["graph_ms"] = round(timer.time(plan_run).median_ms, 5)

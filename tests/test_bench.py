@@ -1030,7 +1030,7 @@ def test_host_cost_split_times_the_calls_without_their_launches_and_the_launches
     w = attention_workload(scn, "cpu")
     out = torch.full_like(w.q, float("nan"))
     plan_run, run = host_cost.calls_of(scn, w, "xqa", out)
-    rec = host_cost.split_costs(Timer("cpu"), plan_run, run, run.plan, w, out, calls=2)
+    rec = host_cost.split_costs(Timer("cpu"), plan_run, run, w, out, calls=2)
     assert set(rec) == {"plan_run_py_us", "run_py_us", "run_launches_us", "run_launches"}
     assert rec["run_launches"] >= 1 and all(v > 0 for v in rec.values())
     expected = out.clone()
@@ -1044,7 +1044,7 @@ def test_host_cost_split_times_the_calls_without_their_launches_and_the_launches
     run.plan.replays.last.launch(host_cost_values(run.plan, w, out), 0)
     assert torch.equal(out, expected)
     monkeypatch.setattr(settings, "REPLAY_STEPS", False)
-    assert host_cost.split_costs(Timer("cpu"), plan_run, run, run.plan, w, out, calls=2) == {}
+    assert host_cost.split_costs(Timer("cpu"), plan_run, run, w, out, calls=2) == {}
 
 
 def host_cost_values(plan, w, out):

@@ -95,10 +95,9 @@ class PlanInputs:
         """Raise a ValueError naming the first input changed in place since planning."""
         if tuple(map(_VERSION_OF, self._tracked_tensors)) == self._tracked_versions:
             return
-        names = {id(t): name for name, t in zip((*self.NAMES, "index_counts"), (*self.as_tuple(), self.index_counts))}
-        for t, v in zip(self._tracked_tensors, self._tracked_versions):
-            if t._version != v:
-                name = names[id(t)]
+        for name, t, v in zip((*self.NAMES, "index_counts"), (*self.as_tuple(), self.index_counts),
+                              (*self.versions, self.counts_version)):
+            if v is not None and t._version != v:
                 raise ValueError(
                     f"the plan's {name} was modified in place after plan_attention built the plan (version "
                     f"{v} -> {t._version}): its work lists no longer match; plan again with "

@@ -351,14 +351,10 @@ def context(device: torch.device) -> tuple[int, tuple] | None:
         if not ON_INTERPRETER or kind not in ("cuda", "cpu"):
             return None
         return 0, environment(variables)
-    if kind != "cuda" or torch._C._cuda_isCurrentStreamCapturing():
-        return None
-    runtime = _triton_runtime()
-    if not (_unhooked(runtime.launch_enter_hook) and _unhooked(runtime.launch_exit_hook)):
+    if kind != "cuda":
         return None
     index = device.index
-    stream = torch._C._cuda_getCurrentRawStream(index if index is not None else torch.cuda.current_device())
-    return stream, environment(variables)
+    return _gpu_context(index if index is not None else torch.cuda.current_device(), variables)
 
 
 def context_of(t: torch.Tensor) -> tuple[int, tuple] | None:
@@ -369,13 +365,18 @@ def context_of(t: torch.Tensor) -> tuple[int, tuple] | None:
     variables = _variables()
     if variables[0] not in utils.OFF_VALUES or not t.is_cuda:
         return context(t.device)
+    return _gpu_context(t.get_device(), variables)
+
+
+def _gpu_context(index: int, variables: tuple) -> tuple[int, tuple] | None:
+    """:func:`context` on GPU ``index`` outside the interpreter, ``variables`` read: None during CUDA-graph
+    capture or with a Triton launch hook set."""
     if torch._C._cuda_isCurrentStreamCapturing():
         return None
     runtime = _triton_runtime()
-    enter, leave = runtime.launch_enter_hook, runtime.launch_exit_hook
-    if (enter is not None and getattr(enter, "calls", True)) or (leave is not None and getattr(leave, "calls", True)):
-        return None  # a hook is set (see _unhooked)
-    return torch._C._cuda_getCurrentRawStream(t.get_device()), environment(variables)
+    if not (_unhooked(runtime.launch_enter_hook) and _unhooked(runtime.launch_exit_hook)):
+        return None
+    return torch._C._cuda_getCurrentRawStream(index), environment(variables)
 
 
 def _unhooked(hook) -> bool:
